@@ -1,0 +1,89 @@
+"""The `megarl` command: one entry point, one sub-command per verb.
+
+Every verb imports its implementation lazily so `megarl schema` does not pay
+for torch or ray. Bad input (`megarl.errors.InputError`) prints one line per
+problem on stderr and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megarl.errors import InputError
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_recipe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", type=Path, help="YAML recipe file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one recipe value, e.g. --set actor.optim.lr=1e-5 (repeatable)",
+    )
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from megarl.config import dump_recipe, load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    sys.stdout.write(dump_recipe(recipe))
+    return 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from megarl.config import recipe_json_schema
+
+    print(json.dumps(recipe_json_schema(), indent=2))
+    return 0
+
+
+def _cmd_preprocess(args: argparse.Namespace) -> int:
+    from megarl.data.preprocess import preprocess
+
+    counts = preprocess(args.dataset, input_path=args.input, output_dir=args.output, seed=args.seed)
+    for split, rows in counts.items():
+        print(f"{args.output / (split + '.parquet')}: {rows} rows")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    validate = verbs.add_parser("validate", help="resolve and check a recipe, print it")
+    _add_recipe_args(validate)
+    validate.set_defaults(run=_cmd_validate)
+
+    schema = verbs.add_parser("schema", help="print the recipe JSON Schema")
+    schema.set_defaults(run=_cmd_schema)
+
+    preprocess = verbs.add_parser("preprocess", help="turn local GSM8K/MATH files into train/test parquet")
+    preprocess.add_argument("dataset", choices=["gsm8k", "math", "arithmetic"])
+    preprocess.add_argument(
+        "--input", type=Path, default=None, help="local jsonl/parquet file or directory (not used by arithmetic)"
+    )
+    preprocess.add_argument("--output", type=Path, required=True, help="directory for train.parquet/test.parquet")
+    preprocess.add_argument("--seed", type=int, default=0, help="seed for generated (arithmetic) data")
+    preprocess.set_defaults(run=_cmd_preprocess)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except InputError as error:
+        for problem in error.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Shared test fixtures: one Ray cluster per test session, CPU-only environment.
+
+Ray is started lazily by the `ray_session` fixture the first time a test asks
+for it, on loopback with a private temp dir, and stopped by PID (through
+`ray.shutdown`) when the session ends.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# Multi-process tests on 2 cores swing wildly without this (PLATFORM.md).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray cluster shared by every test of the session."""
+    import ray
+
+    from megarl.controller.ray_cluster import start_local_ray
+
+    tmp = tempfile.mkdtemp(prefix="megarl-ray-")
+    start_local_ray(temp_dir=tmp, num_cpus=4)
+    yield ray
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Exit 5 (nothing collected) must never read as success in CI.
+    if exitstatus == 5:
+        session.exitstatus = 1
