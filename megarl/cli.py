@@ -37,6 +37,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megarl.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    from megarl.controller.run import train
+
+    run_dir = train(recipe, ray_address=args.ray_address)
+    print(f"run finished: {run_dir}")
+    return 0
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     from megarl.config import recipe_json_schema
 
@@ -60,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate = verbs.add_parser("validate", help="resolve and check a recipe, print it")
     _add_recipe_args(validate)
     validate.set_defaults(run=_cmd_validate)
+
+    train = verbs.add_parser("train", help="run a recipe: RL post-training end to end")
+    _add_recipe_args(train)
+    train.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one in-process")
+    train.set_defaults(run=_cmd_train)
 
     schema = verbs.add_parser("schema", help="print the recipe JSON Schema")
     schema.set_defaults(run=_cmd_schema)

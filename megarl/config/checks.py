@@ -1,0 +1,290 @@
+"""Cross-field rules of a recipe: placement, parallel layout vs model shape, batch divisibility, algorithm needs.
+
+`check_recipe` runs on a recipe that already passed field validation and
+returns every problem at once (never stops at the first), each naming the key
+a user would change and the values that clash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from megarl.config.layout import TRAINING_ROLES, active_roles, role_parallel, role_pool, rollout_layout, training_layout
+from megarl.config.schema import Recipe, read_hf_config
+from megarl.errors import InputError
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One problem line `<key>: <message> (got <value>)`; `key` also locates the file the value came from."""
+
+    key: str
+    line: str
+
+
+def _problem(key: str, message: str, got: Any, *, verbatim: bool = False) -> Problem:
+    """`verbatim` shows `got` as written (a description) instead of its repr (a value)."""
+    return Problem(key, f"{key}: {message} (got {got if verbatim else repr(got)})")
+
+
+def _model_shape(config: dict[str, Any], key: str) -> tuple[dict[str, int], list[Problem]]:
+    """The integer sizes the layout rules need from an HF config; a problem per missing/bad one.
+
+    `key` is the recipe key of the config: an inline dict (`model.config`) or a checkpoint dir.
+    """
+    shape, problems = {}, []
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        value = config.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            where = f"{key}.{name}" if key == "model.config" else key
+            problems.append(_problem(where, f"the model config needs a positive integer {name}", value))
+        else:
+            shape[name] = value
+    shape["num_key_value_heads"] = config.get("num_key_value_heads") or shape.get("num_attention_heads", 1)
+    for name in ("max_position_embeddings", *MOE_EXPERT_KEYS):
+        if isinstance(config.get(name), int):
+            shape[name] = config[name]
+    return shape, problems
+
+
+def _load_shape(read_config: Callable[[], dict[str, Any]], key: str) -> tuple[dict[str, int] | None, list[Problem]]:
+    try:
+        config = read_config()
+    except InputError as error:
+        return None, [Problem(key, line) for line in error.problems]
+    shape, problems = _model_shape(config, key)
+    return (None if problems else shape), problems
+
+
+def _check_model_source(recipe: Recipe) -> list[Problem]:
+    model = recipe.model
+    if (model.path is None) == (model.config is None):
+        given = {"path": model.path, "config": "{...}" if model.config is not None else None}
+        return [_problem("model.path", "give exactly one of model.path and model.config (null the other)", given)]
+    return []
+
+
+def _check_placement(recipe: Recipe) -> list[Problem]:
+    placement, problems = recipe.placement, []
+    if placement.colocate:
+        for key in ("pools", "roles"):
+            if getattr(placement, key):
+                problems.append(
+                    _problem(
+                        f"placement.{key}", "only used with placement.colocate: false", sorted(getattr(placement, key))
+                    )
+                )
+        return problems
+    for role, pool_name in placement.roles.items():
+        if pool_name not in placement.pools:
+            known = ", ".join(placement.pools) or "none"
+            problems.append(
+                _problem(f"placement.roles.{role}", f"no such pool in placement.pools ({known})", pool_name)
+            )
+    for role in active_roles(recipe):
+        if role not in placement.roles:
+            problems.append(
+                _problem(
+                    f"placement.roles.{role}", "placement.colocate is false, so every active role needs a pool", None
+                )
+            )
+    used = {placement.roles[role] for role in active_roles(recipe) if placement.roles.get(role) in placement.pools}
+    total = sum(placement.pools[name].nodes * placement.pools[name].gpus_per_node for name in used)
+    allocation = placement.nodes * placement.gpus_per_node
+    if total > allocation:
+        problems.append(
+            _problem(
+                "placement.pools",
+                f"pools in use need {total} devices, more than placement.nodes*gpus_per_node = {allocation}",
+                sorted(used),
+            )
+        )
+    if recipe.weight_sync.transport == "tensor":
+        problems.append(
+            _problem(
+                "weight_sync.transport",
+                "tensor handles only reach colocated engines; use 'distributed' or 'disk' with colocate: false",
+                "tensor",
+            )
+        )
+    return problems
+
+
+def _check_training_role(recipe: Recipe, role: str, shape: dict[str, int] | None) -> list[Problem]:
+    if role_pool(recipe.placement, role) is None:
+        return []  # already reported by _check_placement
+    layout, parallel, problems = training_layout(recipe, role), role_parallel(recipe, role), []
+    key = f"{role}.parallel"
+    world, model_parallel = layout.world_size, layout.tp * layout.pp
+    where = f"world size {world} (pool {layout.pool.name!r})"
+    if parallel.dp is not None and model_parallel * parallel.dp != world:
+        problems.append(
+            _problem(f"{key}.dp", f"tp*pp*dp = {layout.tp}*{layout.pp}*{parallel.dp} must equal {where}", parallel.dp)
+        )
+    elif world % model_parallel:
+        problems.append(
+            _problem(f"{key}.tp", f"{where} is not divisible by tp*pp = {layout.tp}*{layout.pp}", layout.tp)
+        )
+    if layout.ep > 1 and world % (model_parallel * layout.ep):
+        problems.append(_problem(f"{key}.ep", f"{where} is not divisible by tp*pp*ep", layout.ep))
+    if layout.sequence_parallel and layout.tp == 1:
+        problems.append(_problem(f"{key}.sequence_parallel", "needs tp > 1", True))
+    if layout.vpp is not None and layout.pp == 1:
+        problems.append(_problem(f"{key}.vpp", "virtual pipeline stages need pp > 1", layout.vpp))
+    if shape is not None:
+        problems += _check_shape_fits(shape, key, layout.tp, layout.pp, layout.vpp, layout.ep)
+    return problems
+
+
+def _check_shape_fits(shape: dict[str, int], key: str, tp: int, pp: int, vpp: int | None, ep: int) -> list[Problem]:
+    problems, layers = [], shape["num_hidden_layers"]
+    if layers % pp:
+        problems.append(_problem(f"{key}.pp", f"num_hidden_layers = {layers} is not divisible by pp", pp))
+    if vpp is not None and pp > 1 and layers % (pp * vpp):
+        problems.append(
+            _problem(f"{key}.vpp", f"num_hidden_layers = {layers} is not divisible by pp*vpp = {pp}*{vpp}", vpp)
+        )
+    for heads in ("num_attention_heads", "num_key_value_heads"):
+        if shape[heads] % tp:
+            problems.append(_problem(f"{key}.tp", f"{heads} = {shape[heads]} is not divisible by tp", tp))
+    if ep > 1:
+        experts = next((shape[name] for name in MOE_EXPERT_KEYS if name in shape), None)
+        if experts is None or experts % ep:
+            problems.append(
+                _problem(f"{key}.ep", f"needs an MoE model whose expert count divides by ep (experts: {experts})", ep)
+            )
+    return problems
+
+
+def _check_batches(recipe: Recipe, role: str) -> list[Problem]:
+    section = recipe.actor if role == "actor" else recipe.critic
+    if section is None:
+        return []
+    problems, mini, micro = [], section.ppo_mini_batch_size, section.ppo_micro_batch_size
+    samples = recipe.data.train_batch_size * recipe.rollout.n
+    if samples % mini:
+        batch, n = recipe.data.train_batch_size, recipe.rollout.n
+        message = f"must divide data.train_batch_size * rollout.n = {batch}*{n} = {samples}"
+        problems.append(_problem(f"{role}.ppo_mini_batch_size", message, mini))
+    layout = training_layout(recipe, role)
+    if layout.dp is not None and mini % (micro * layout.dp):
+        message = f"must be divisible by ppo_micro_batch_size * dp = {micro}*{layout.dp}"
+        problems.append(_problem(f"{role}.ppo_mini_batch_size", message, mini))
+    return problems
+
+
+def _check_rollout(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem]:
+    rollout, placement, problems = recipe.rollout, recipe.placement, []
+    if placement.device == "cpu" and rollout.backend == "sglang":
+        problems.append(_problem("rollout.backend", "SGLang needs placement.device: cuda; use backend 'cpu'", "sglang"))
+    if recipe.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        problems.append(
+            _problem(
+                "rollout.n",
+                f"{recipe.algorithm.adv_estimator} compares responses within a group, needs n >= 2",
+                rollout.n,
+            )
+        )
+    if shape is not None and shape["num_attention_heads"] % rollout.tp:
+        problems.append(
+            _problem(
+                "rollout.tp", f"num_attention_heads = {shape['num_attention_heads']} is not divisible by tp", rollout.tp
+            )
+        )
+    if role_pool(placement, "rollout") is not None:
+        fleet = rollout_layout(recipe)
+        where = f"pool {fleet.pool.name!r} of size {fleet.pool.size}"
+        if placement.colocate and fleet.world_size != fleet.pool.size:
+            problems.append(
+                _problem(
+                    "rollout.num_servers",
+                    f"num_servers*tp = {fleet.num_servers}*{fleet.tp} must equal the colocated {where}",
+                    fleet.num_servers,
+                )
+            )
+        elif fleet.world_size > fleet.pool.size:
+            problems.append(
+                _problem(
+                    "rollout.num_servers",
+                    f"num_servers*tp = {fleet.num_servers}*{fleet.tp} exceeds {where}",
+                    fleet.num_servers,
+                )
+            )
+    return problems
+
+
+def _check_algorithm_and_data(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem]:
+    problems, data, estimator = [], recipe.data, recipe.algorithm.adv_estimator
+    if estimator == "gae" and recipe.critic is None:
+        problems.append(_problem("critic", "adv_estimator 'gae' needs a critic section", None))
+    if estimator != "gae" and recipe.critic is not None:
+        problems.append(
+            _problem(
+                "critic",
+                f"adv_estimator {estimator!r} uses no critic; remove the section or use 'gae'",
+                "a critic section",
+                verbatim=True,
+            )
+        )
+    if recipe.critic is not None and recipe.critic.warmup_steps >= recipe.trainer.total_steps:
+        problems.append(
+            _problem(
+                "critic.warmup_steps",
+                f"the actor would never train in trainer.total_steps = {recipe.trainer.total_steps}",
+                recipe.critic.warmup_steps,
+            )
+        )
+    if not data.train_files and data.synthetic is None:
+        problems.append(_problem("data.train_files", "give data.train_files or data.synthetic", []))
+    if data.train_files and data.synthetic is not None:
+        problems.append(
+            _problem("data.synthetic", "give data.train_files or data.synthetic, not both", data.synthetic.task)
+        )
+    has_val = bool(data.val_files) or (data.synthetic is not None and data.synthetic.num_val > 0)
+    if recipe.trainer.val_every > 0 and not has_val:
+        problems.append(
+            _problem(
+                "trainer.val_every",
+                "validation needs data.val_files or data.synthetic.num_val > 0",
+                recipe.trainer.val_every,
+            )
+        )
+    positions = shape.get("max_position_embeddings") if shape is not None else None
+    if positions is not None and data.max_prompt_length + data.max_response_length > positions:
+        total = data.max_prompt_length + data.max_response_length
+        message = f"max_prompt_length + max_response_length = {total} exceeds max_position_embeddings = {positions}"
+        problems.append(_problem("data.max_response_length", message, data.max_response_length))
+    return problems
+
+
+def check_recipe(recipe: Recipe) -> list[Problem]:
+    """Every cross-field problem of a field-valid recipe (empty when it is consistent)."""
+    problems = _check_model_source(recipe)
+    shape = None
+    if not problems:
+        shape, shape_problems = _load_shape(
+            recipe.model.hf_config, "model.config" if recipe.model.config is not None else "model.path"
+        )
+        problems += shape_problems
+    critic_shape = shape
+    if recipe.critic is not None and recipe.critic.model_path is not None:
+        critic_shape, critic_problems = _load_shape(
+            partial(read_hf_config, recipe.critic.model_path, key="critic.model_path"), "critic.model_path"
+        )
+        problems += critic_problems
+    problems += _check_placement(recipe)
+    for role in active_roles(recipe):
+        if role in TRAINING_ROLES:
+            problems += _check_training_role(recipe, role, critic_shape if role == "critic" else shape)
+    for role in ("actor", "critic"):
+        if role in active_roles(recipe) and role_pool(recipe.placement, role) is not None:
+            problems += _check_batches(recipe, role)
+    problems += _check_rollout(recipe, shape)
+    problems += _check_algorithm_and_data(recipe, shape)
+    return problems

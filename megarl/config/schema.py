@@ -1,0 +1,188 @@
+"""The recipe schema: the root `Recipe` and its non-training sections (model, data, rollout, reward, placement, ...).
+
+Each model states types, defaults and single-field bounds; a `description` on
+every field feeds `megarl schema` and editor completion. Cross-field rules live
+in `megarl.config.checks`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
+
+from megarl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, ReferenceConfig, Section
+from megarl.errors import InputError
+
+Role = Literal["actor", "critic", "reference", "rollout"]
+_SCORER_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="HF checkpoint dir (config.json + safetensors); exclusive with config")
+    config: dict[str, Any] | None = Field(
+        None, description="inline HF config dict (model_type, hidden_size, ...) for a randomly initialised model"
+    )
+    tokenizer: str = Field("builtin", description="tokenizer dir, or 'builtin' for megarl's in-repo tokenizer")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="parameter/compute dtype")
+
+    def hf_config(self) -> dict[str, Any]:
+        """The HF config dict: the inline one, or `<path>/config.json` (InputError when missing or unreadable)."""
+        if self.config is not None:
+            return dict(self.config)
+        if self.path is None:
+            raise InputError("model.path: give model.path or model.config (got None)")
+        return read_hf_config(self.path, key="model.path")
+
+
+def read_hf_config(checkpoint_dir: str, *, key: str) -> dict[str, Any]:
+    """`<checkpoint_dir>/config.json` as a dict; InputError lines name `key` (the recipe key holding the dir)."""
+    config_file = Path(checkpoint_dir).expanduser() / "config.json"
+    try:
+        loaded = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{key}: {config_file} not found (got {checkpoint_dir!r})") from None
+    except (OSError, ValueError) as error:
+        raise InputError(f"{key}: cannot read {config_file}: {error} (got {checkpoint_dir!r})") from None
+    if not isinstance(loaded, dict):
+        raise InputError(f"{key}: {config_file} is not a JSON object (got {type(loaded).__name__})")
+    return loaded
+
+
+class SyntheticData(Section):
+    task: Literal["addition"] = Field(description="generated task family")
+    num_train: PositiveInt = Field(description="training prompts to generate")
+    num_val: NonNegativeInt = Field(description="validation prompts to generate")
+    seed: int = Field(0, description="generator seed (independent of the run seed)")
+    max_operand: PositiveInt = Field(99, description="largest operand of the generated problems")
+
+
+class DataConfig(Section):
+    train_files: list[str] = Field(default_factory=list, description="training parquet files (DESIGN.md §2 schema)")
+    val_files: list[str] = Field(default_factory=list, description="validation parquet files")
+    synthetic: SyntheticData | None = Field(None, description="generate data into the run dir instead of reading files")
+    prompt_key: str = Field("prompt", description="column holding the chat-format prompt")
+    max_prompt_length: PositiveInt = Field(description="most tokens in one prompt (after the chat template)")
+    max_response_length: PositiveInt = Field(description="generated tokens per response at most")
+    train_batch_size: PositiveInt = Field(description="prompts per training step (before rollout.n repetition)")
+    val_batch_size: PositiveInt | None = Field(None, description="prompts per validation batch; null = all at once")
+    shuffle: bool = Field(True, description="reshuffle the training set every epoch")
+
+
+class RolloutConfig(Section):
+    backend: Literal["cpu", "sglang"] = Field("sglang", description="SGLang servers, or megarl's CPU engine")
+    n: PositiveInt = Field(1, description="responses sampled per prompt")
+    temperature: NonNegativeFloat = Field(1.0, description="sampling temperature for training rollouts")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int = Field(-1, description="top-k sampling; -1 = off")
+    val_temperature: NonNegativeFloat = Field(0.0, description="temperature for validation; 0 = greedy")
+    num_servers: PositiveInt = Field(1, description="inference servers (engines) in the fleet")
+    tp: PositiveInt = Field(1, description="tensor-parallel size of one server")
+    max_concurrency: PositiveInt = Field(256, description="in-flight requests per server")
+    host: str = Field("127.0.0.1", description="address servers bind to")
+    port: int = Field(30000, ge=1, le=65535, description="port of the first server; the others count up from it")
+    mem_fraction: float = Field(0.8, gt=0.0, le=1.0, description="share of accelerator memory a server may take")
+    sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang server arguments, passed through")
+    engine_threads: PositiveInt = Field(1, description="torch threads of one CPU engine")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off_or_positive(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("must be -1 (off) or >= 1")
+        return value
+
+
+class RewardConfig(Section):
+    scorers: dict[str, str] = Field(
+        default_factory=dict, description="data_source -> 'module.path:function' custom scorer"
+    )
+    gsm8k_method: Literal["strict", "flexible"] = Field(
+        "strict", description="strict: last '#### <number>'; flexible: last number"
+    )
+    format_score: float = Field(0.0, description="score of a well-formed but wrong answer")
+    score: float = Field(1.0, description="score of a correct answer")
+    num_workers: NonNegativeInt = Field(0, description="scoring processes; 0 = score in the controller")
+
+    @field_validator("scorers")
+    @classmethod
+    def _scorer_specs(cls, scorers: dict[str, str]) -> dict[str, str]:
+        bad = {source: spec for source, spec in scorers.items() if not _SCORER_SPEC.match(spec)}
+        if bad:
+            raise ValueError(f"scorers must look like 'package.module:function': {bad}")
+        return scorers
+
+
+class PoolSpec(Section):
+    nodes: PositiveInt = Field(1, description="nodes in this pool")
+    gpus_per_node: PositiveInt = Field(1, description="devices (on CPU: processes) per node in this pool")
+
+
+class PlacementConfig(Section):
+    device: Literal["cuda", "cpu"] = Field("cuda", description="accelerator kind")
+    nodes: PositiveInt = Field(1, description="nodes of the allocation")
+    gpus_per_node: PositiveInt = Field(1, description="devices per node (on CPU: processes per node)")
+    colocate: bool = Field(
+        True, description="actor, critic, reference and rollout share one pool of nodes*gpus_per_node"
+    )
+    pools: dict[str, PoolSpec] = Field(
+        default_factory=dict, description="named resource pools for disaggregated placement (colocate: false)"
+    )
+    roles: dict[Role, str] = Field(default_factory=dict, description="role -> pool name (colocate: false)")
+
+
+class WeightSyncConfig(Section):
+    transport: Literal["tensor", "distributed", "disk"] = Field(
+        "tensor", description="tensor: same-device handles (colocated); distributed: broadcast group; disk: files"
+    )
+    bucket_mb: PositiveInt = Field(512, description="size of one transfer bucket in MiB")
+    verify: Literal["none", "checksum"] = Field("none", description="checksum every synced tensor (debugging)")
+    timeout_s: PositiveFloat = Field(600.0, description="one sync may take at most this long")
+
+
+class LoggingConfig(Section):
+    jsonl: bool = Field(True, description="metrics.jsonl in the run dir")
+    tensorboard: bool = Field(True, description="TensorBoard event files in the run dir")
+    console: bool = Field(True, description="one summary line per step on stdout")
+
+
+class CheckpointConfig(Section):
+    save_every: NonNegativeInt = Field(0, description="save every this many steps; 0 = only at the end")
+    keep_last: NonNegativeInt = Field(2, description="checkpoints kept on disk; 0 = keep all")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint")
+
+
+class TrainerConfig(Section):
+    total_steps: PositiveInt = Field(description="RL steps to run")
+    val_every: NonNegativeInt = Field(0, description="validate every this many steps; 0 = never")
+    val_before_train: bool = Field(True, description="validate once before the first step (when val data exists)")
+    output_dir: str = Field("runs", description="run dir is <output_dir>/<name>")
+    balance_batch: bool = Field(True, description="reorder samples so DP ranks get equal token counts")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metric sinks")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpointing")
+
+
+class SftWarmupConfig(Section):
+    steps: NonNegativeInt = Field(0, description="supervised steps on reference solutions before RL; 0 = none")
+    lr: PositiveFloat = Field(1e-3, description="learning rate of the warm-up")
+    batch_size: PositiveInt = Field(64, description="samples per warm-up step")
+
+
+class Recipe(Section):
+    name: str = Field(description="run name; the run dir is trainer.output_dir/name")
+    seed: int = Field(0, description="global seed (data order, init, sampling)")
+    model: ModelConfig = Field(description="policy model")
+    data: DataConfig = Field(description="datasets and lengths")
+    algorithm: AlgorithmConfig = Field(description="advantage estimator and in-reward KL")
+    actor: ActorConfig = Field(description="policy training")
+    critic: CriticConfig | None = Field(None, description="value model; required iff adv_estimator is 'gae'")
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="reference policy")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation fleet")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="rule scorers")
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="devices and resource pools")
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="trainer -> rollout sync")
+    trainer: TrainerConfig = Field(description="step loop, validation, logging, checkpoints")
+    sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="optional supervised warm-up")

@@ -1,0 +1,116 @@
+"""Recipe sections for the training side: algorithm, per-role layout and optimizer, actor, critic, reference.
+
+Only field types, defaults and single-field bounds live here; rules that relate
+several fields (layout vs pool size, batch divisibility, critic iff GAE) are in
+`megarl.config.checks`, so every model stays a plain description of one section.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+KLPenalty = Literal["kl", "abs", "mse", "low_var_kl"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class Section(BaseModel):
+    """Base of every recipe model: unknown keys are errors, not silent no-ops."""
+
+    # coerce_numbers_to_str: `name: 2024` in YAML is a run name, not a type error.
+    # protected_namespaces=(): `model_path` is a recipe key, not a pydantic method.
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, protected_namespaces=())
+
+
+class KLControl(Section):
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed coefficient, or adaptive toward target_kl")
+    kl_coef: NonNegativeFloat = Field(0.001, description="KL coefficient (the initial one when adaptive)")
+    target_kl: PositiveFloat = Field(0.1, description="adaptive controller: the KL the coefficient steers toward")
+    horizon: PositiveInt = Field(
+        10000, description="adaptive controller: horizon in samples of the proportional update"
+    )
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: AdvantageEstimator = Field(
+        description="advantage estimator; 'gae' needs a critic, the others do not"
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="discount factor (GAE)")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda")
+    norm_adv_by_std_in_grpo: bool = Field(
+        True, description="GRPO: divide by the group std; false gives Dr.GRPO (mean-centred only)"
+    )
+    use_kl_in_reward: bool = Field(False, description="subtract a KL penalty against the reference from the reward")
+    kl_penalty: KLPenalty = Field("kl", description="KL estimator used for the in-reward penalty")
+    kl_ctrl: KLControl = Field(default_factory=KLControl, description="in-reward KL coefficient controller")
+
+
+class Parallel(Section):
+    tp: PositiveInt = Field(1, description="tensor-parallel size")
+    pp: PositiveInt = Field(1, description="pipeline-parallel size")
+    vpp: PositiveInt | None = Field(None, description="virtual pipeline stages per rank (interleaved); needs pp > 1")
+    ep: PositiveInt = Field(1, description="expert-parallel size (MoE models only)")
+    dp: PositiveInt | None = Field(
+        None,
+        description="data-parallel size; null = world size / (tp*pp). load_recipe fills it in for active roles",
+    )
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism; needs tp > 1")
+
+
+class Optim(Section):
+    lr: PositiveFloat = Field(description="peak learning rate")
+    weight_decay: NonNegativeFloat = Field(0.0, description="decoupled weight decay (AdamW)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas")
+    eps: PositiveFloat = Field(1e-8, description="Adam epsilon")
+    clip_grad: NonNegativeFloat = Field(1.0, description="global gradient-norm clip; 0 disables clipping")
+    warmup_steps: NonNegativeInt = Field(0, description="linear learning-rate warm-up, in optimizer steps")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="decay after warm-up")
+    min_lr: NonNegativeFloat = Field(0.0, description="floor of the cosine/linear decay")
+
+
+class ActorConfig(Section):
+    parallel: Parallel = Field(default_factory=Parallel, description="Megatron layout of the actor")
+    optim: Optim = Field(description="actor optimizer")
+    ppo_mini_batch_size: PositiveInt = Field(
+        description="samples (responses) per optimizer step, global across DP ranks"
+    )
+    ppo_micro_batch_size: PositiveInt = Field(description="samples per forward/backward pass on one DP rank")
+    max_tokens_per_microbatch: PositiveInt | None = Field(
+        None, description="pack micro-batches by token count instead of sample count; null = by samples"
+    )
+    ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
+    shuffle: bool = Field(True, description="shuffle samples before splitting into mini-batches")
+    clip_ratio_low: NonNegativeFloat = Field(0.2, description="PPO clip: ratio lower bound is 1 - clip_ratio_low")
+    clip_ratio_high: NonNegativeFloat = Field(0.2, description="PPO clip: ratio upper bound is 1 + clip_ratio_high")
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound for negative advantages (> 1)")
+    loss_agg_mode: LossAggMode = Field("token-mean", description="how token losses are averaged into one scalar")
+    entropy_coeff: float = Field(0.0, description="entropy bonus coefficient (0 = off)")
+    use_kl_loss: bool = Field(False, description="add a KL-to-reference term to the actor loss (GRPO style)")
+    kl_loss_coef: NonNegativeFloat = Field(0.001, description="coefficient of the KL loss term")
+    kl_loss_type: KLPenalty = Field("low_var_kl", description="KL estimator used in the actor loss")
+    logprob_micro_batch_size: PositiveInt | None = Field(
+        None, description="samples per rank for log-prob forwards; null = ppo_micro_batch_size"
+    )
+
+
+class CriticConfig(Section):
+    parallel: Parallel = Field(default_factory=Parallel, description="Megatron layout of the critic")
+    optim: Optim = Field(description="critic optimizer")
+    model_path: str | None = Field(
+        None, description="HF checkpoint for the value model; null = initialise from the actor's weights"
+    )
+    ppo_mini_batch_size: PositiveInt = Field(description="samples per optimizer step, global across DP ranks")
+    ppo_micro_batch_size: PositiveInt = Field(description="samples per forward/backward pass on one DP rank")
+    ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
+    cliprange_value: PositiveFloat = Field(0.5, description="value clipping range around the old values")
+    loss_agg_mode: LossAggMode = Field("token-mean", description="how token value losses are averaged")
+    warmup_steps: NonNegativeInt = Field(0, description="first steps train only the critic; the actor is frozen")
+
+
+class ReferenceConfig(Section):
+    parallel: Parallel = Field(
+        default_factory=Parallel,
+        description="Megatron layout of the reference policy (used iff use_kl_in_reward or actor.use_kl_loss)",
+    )

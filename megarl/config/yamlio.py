@@ -1,0 +1,101 @@
+"""YAML reading for recipes: one loader, so files and `--set` values parse the same way.
+
+Two departures from PyYAML's YAML 1.1 defaults, both to stop silent surprises:
+`1e-5` is a float (YAML 1.1 wants `1.0e-5` and would hand back a string), and
+a key repeated in one mapping is an error instead of "last one wins".
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megarl.errors import InputError
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 exponent floats and duplicate-key detection."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # unhashable keys are rejected by the base constructor
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class RecipeDumper(yaml.SafeDumper):
+    """SafeDumper that quotes what RecipeLoader would misread, and keeps scalar lists on one line."""
+
+
+def _represent_list(dumper: RecipeDumper, items: list[Any]) -> yaml.SequenceNode:
+    flow = all(not isinstance(item, (dict, list)) for item in items)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", items, flow_style=flow)
+
+
+RecipeDumper.add_representer(list, _represent_list)
+
+# Registered on the dumper too, so a string like "1e5" is written quoted and loads back as a string.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+for _yaml_class in (RecipeLoader, RecipeDumper):
+    _yaml_class.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789"))
+
+
+def _describe_yaml_error(error: yaml.YAMLError, text: str) -> tuple[int | None, str]:
+    """(1-based line, one-line message) of a PyYAML error."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and context_mark is not None:
+        # The parser notices an unclosed bracket lines later; the opening line is where to look.
+        problem = f"{problem}, {context} started on line {context_mark.line + 1}"
+    if mark is None:
+        return None, problem
+    lines = text.splitlines()
+    source = lines[mark.line].strip() if mark.line < len(lines) else ""
+    return mark.line + 1, f"{problem} (got {source!r})"
+
+
+def read_yaml_file(path: Path) -> dict[str, Any]:
+    """The top-level mapping of a recipe file; InputError naming the file (and line) on any problem."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{path}: recipe file not found") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a recipe file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"{path}: cannot read recipe file: {error}") from None
+    try:
+        loaded = yaml.load(text, Loader=RecipeLoader)
+    except yaml.YAMLError as error:
+        line, message = _describe_yaml_error(error, text)
+        where = f"{path}:{line}" if line is not None else str(path)
+        raise InputError(f"{where}: YAML syntax error: {message}") from None
+    if not isinstance(loaded, dict):
+        got = "an empty file" if loaded is None else f"a {type(loaded).__name__}"
+        raise InputError(f"{path}: a recipe must be a YAML mapping of sections (got {got})")
+    return loaded
+
+
+def parse_yaml_value(text: str) -> Any:
+    """One `--set` value parsed as YAML (scalar, list or mapping); ValueError with a one-line reason."""
+    try:
+        return yaml.load(text, Loader=RecipeLoader)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"not a valid YAML value: {problem}") from None
+
+
+def dump_yaml(data: dict[str, Any]) -> str:
+    """Block-style YAML in key order that `read_yaml_file` loads back to the same values."""
+    return yaml.dump(data, Dumper=RecipeDumper, sort_keys=False, default_flow_style=False, width=120)
