@@ -1,0 +1,87 @@
+"""The synthetic `megarl/arithmetic` task: "What is a + b?" in GSM8K row format.
+
+A task small models can learn on CPU in minutes, scored by the GSM8K strict
+scorer. Responses are short on purpose: the reference solution is exactly
+`#### <sum>`, which is also what the optional SFT warm-up teaches.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection
+from pathlib import Path
+
+from megarl.data.rows import make_row, write_rows
+from megarl.errors import InputError
+
+DATA_SOURCE = "megarl/arithmetic"
+INSTRUCTION = 'Answer after "####".'
+
+
+def arithmetic_pairs(
+    num: int, *, seed: int, split: str, max_operand: int = 99, exclude_pairs: Collection[tuple[int, int]] = ()
+) -> list[tuple[int, int]]:
+    """`num` operand pairs drawn uniformly from [0, max_operand]^2, skipping `exclude_pairs`.
+
+    The stream depends on both `seed` and `split`, so train and test drawn with
+    one seed are different samples.
+    """
+    if max_operand < 0:
+        raise ValueError(f"max_operand must be >= 0, got {max_operand}")
+    excluded = set(exclude_pairs)
+    in_range = {(a, b) for a, b in excluded if 0 <= a <= max_operand and 0 <= b <= max_operand}
+    if num > 0 and len(in_range) >= (max_operand + 1) ** 2:
+        raise ValueError(f"exclude_pairs covers all {(max_operand + 1) ** 2} pairs with max_operand={max_operand}")
+    # A string seed is hashed deterministically (not with PYTHONHASHSEED).
+    rng = random.Random(f"megarl/arithmetic:{seed}:{split}")
+    pairs: list[tuple[int, int]] = []
+    while len(pairs) < num:
+        pair = (rng.randint(0, max_operand), rng.randint(0, max_operand))
+        if pair not in excluded:
+            pairs.append(pair)
+    return pairs
+
+
+def arithmetic_rows(
+    num: int,
+    *,
+    seed: int,
+    split: str,
+    max_operand: int = 99,
+    start_index: int = 0,
+    exclude_pairs: Collection[tuple[int, int]] = (),
+) -> list[dict]:
+    """`num` GSM8K-format rows of "What is a + b?" for the pairs of `arithmetic_pairs` (same arguments)."""
+    rows = []
+    pairs = arithmetic_pairs(num, seed=seed, split=split, max_operand=max_operand, exclude_pairs=exclude_pairs)
+    for offset, (a, b) in enumerate(pairs):
+        question = f"What is {a} + {b}?"
+        rows.append(
+            make_row(
+                data_source=DATA_SOURCE,
+                prompt_text=f"{question} {INSTRUCTION}",
+                ground_truth=str(a + b),
+                split=split,
+                index=start_index + offset,
+                answer=f"#### {a + b}",
+                question=question,
+            )
+        )
+    return rows
+
+
+def write_arithmetic_dataset(
+    out_dir: Path, num_train: int, num_val: int, seed: int, max_operand: int = 99
+) -> tuple[Path, Path]:
+    """Write `train.parquet` and `test.parquet` under `out_dir`; no test (a, b) pair appears in train."""
+    pairs = (max_operand + 1) ** 2
+    if num_val >= pairs:
+        raise InputError(
+            f"synthetic data: num_val={num_val} leaves no (a, b) pair for training with max_operand={max_operand} "
+            f"({pairs} pairs)"
+        )
+    val_rows = arithmetic_rows(num_val, seed=seed, split="test", max_operand=max_operand)
+    held_out = arithmetic_pairs(num_val, seed=seed, split="test", max_operand=max_operand)
+    train_rows = arithmetic_rows(num_train, seed=seed, split="train", max_operand=max_operand, exclude_pairs=held_out)
+    out_dir = Path(out_dir)
+    return write_rows(train_rows, out_dir / "train.parquet"), write_rows(val_rows, out_dir / "test.parquet")
