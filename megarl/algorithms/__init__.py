@@ -1,1 +1,68 @@
-"""TODO"""
+"""The algorithm core: pure PyTorch functions for advantages, losses, KL and step metrics.
+
+Tensors in, tensors out, explicit keyword arguments (never a config object),
+shapes in every docstring (`[B, R]` = batch x response length). Names from
+recipes resolve through registries: `ADVANTAGE_ESTIMATORS`, `KL_PENALTIES`,
+`LOSS_AGG_MODES`. Importing this package loads torch and numpy only (no
+megatron, sglang or ray), so it runs on the controller and in CPU tests.
+"""
+
+from megarl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    gae,
+    get_advantage_estimator,
+    grpo,
+    needs_critic,
+    needs_groups,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    rloo,
+)
+from megarl.algorithms.kl import (
+    KL_PENALTIES,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_in_reward,
+    entropy_from_logits,
+    kl_penalty,
+)
+from megarl.algorithms.losses import LOSS_AGG_MODES, agg_loss, policy_loss, value_loss
+from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megarl.algorithms.metrics import (
+    TIMING_PHASES,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+    rollout_logprob_diff,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_PENALTIES",
+    "LOSS_AGG_MODES",
+    "TIMING_PHASES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_in_reward",
+    "compute_data_metrics",
+    "compute_throughput_metrics",
+    "compute_timing_metrics",
+    "entropy_from_logits",
+    "gae",
+    "get_advantage_estimator",
+    "grpo",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "needs_critic",
+    "needs_groups",
+    "policy_loss",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "rloo",
+    "rollout_logprob_diff",
+    "value_loss",
+]

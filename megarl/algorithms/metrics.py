@@ -1,0 +1,134 @@
+"""Step metrics computed from the batch: scores, rewards, advantages, lengths, timings, throughput.
+
+The metric names are the logging contract of DESIGN.md §5; every value is a
+Python float, ready for the logger. Statistics over tokens use the response
+tokens only; a statistic over an empty set is NaN rather than an exception,
+so one degenerate batch cannot kill a long run from its metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from megarl.algorithms.masked import masked_count, masked_mean
+
+TIMING_PHASES = (
+    "gen",
+    "reward",
+    "old_log_prob",
+    "ref",
+    "values",
+    "adv",
+    "update_critic",
+    "update_actor",
+    "update_weights",
+    "step",
+)
+
+
+def _mean_max_min(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """`{prefix}/mean`, `/max`, `/min` of a 1-d tensor (NaN when it is empty)."""
+    if values.numel() == 0:
+        return {f"{prefix}/{stat}": float("nan") for stat in ("mean", "max", "min")}
+    values = values.float()
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
+
+
+def _explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over 1-d tensors (unbiased variances).
+
+    The 1e-5 keeps the ratio finite when every return is equal.
+    """
+    if returns.numel() < 2:
+        return float("nan")
+    returns, values = returns.double(), values.double()
+    return (1.0 - torch.var(returns - values) / (torch.var(returns) + 1e-5)).item()
+
+
+def _length_metrics(prefix: str, mask: torch.Tensor, max_length: int) -> dict[str, float]:
+    """Length stats of each row of a 0/1 mask, plus the share of rows at `max_length`."""
+    lengths = masked_count(mask, dim=-1).float()
+    metrics = _mean_max_min(prefix, lengths)
+    metrics[f"{prefix}/clip_ratio"] = (lengths == max_length).float().mean().item() if lengths.numel() else 0.0
+    return metrics
+
+
+@torch.no_grad()
+def compute_data_metrics(
+    *,
+    token_level_scores: torch.Tensor,
+    token_level_rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    max_response_length: int,
+    values: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """The `critic/*`, `response_length/*` and `prompt_length/*` metrics of one step.
+
+    Shapes: the token tensors and response_mask [B, R], prompt_mask [B, P].
+    Scores and rewards are per sequence (sum over tokens); advantages,
+    returns and values are over response tokens. `critic/values/*` and
+    `critic/vf_explained_var` only when `values` is given. The prompt
+    clip_ratio is the share of prompts filling the whole P window.
+    """
+    valid = response_mask.bool()
+    metrics: dict[str, float] = {}
+    metrics |= _mean_max_min("critic/score", token_level_scores.sum(-1))
+    metrics |= _mean_max_min("critic/rewards", token_level_rewards.sum(-1))
+    metrics |= _mean_max_min("critic/advantages", advantages[valid])
+    valid_returns = returns[valid]
+    metrics |= _mean_max_min("critic/returns", valid_returns)
+    if values is not None:
+        valid_values = values[valid]
+        metrics |= _mean_max_min("critic/values", valid_values)
+        metrics["critic/vf_explained_var"] = _explained_variance(valid_returns, valid_values)
+    metrics |= _length_metrics("response_length", response_mask, max_response_length)
+    metrics |= _length_metrics("prompt_length", prompt_mask, prompt_mask.shape[-1])
+    return metrics
+
+
+def compute_timing_metrics(timings: Mapping[str, float]) -> dict[str, float]:
+    """`{phase: seconds}` -> `{"timing_s/<phase>": seconds}`; phases from TIMING_PHASES only.
+
+    An unknown phase is a ValueError: a typo in a timer name would otherwise
+    silently create a metric no dashboard shows.
+    """
+    unknown = sorted(set(timings) - set(TIMING_PHASES))
+    if unknown:
+        raise ValueError(f"unknown timing phase(s) {unknown}; known: {', '.join(TIMING_PHASES)}")
+    return {f"timing_s/{phase}": float(seconds) for phase, seconds in timings.items()}
+
+
+def compute_throughput_metrics(*, total_tokens: int, step_seconds: float, num_gpus: int) -> dict[str, float]:
+    """`perf/throughput` (tokens per second per GPU), `perf/total_num_tokens`, `perf/time_per_step`.
+
+    total_tokens counts prompt + response tokens of the step's batch.
+    """
+    if step_seconds <= 0 or num_gpus <= 0:
+        raise ValueError(f"step_seconds and num_gpus must be > 0, got {step_seconds} and {num_gpus}")
+    return {
+        "perf/throughput": total_tokens / (step_seconds * num_gpus),
+        "perf/total_num_tokens": float(total_tokens),
+        "perf/time_per_step": float(step_seconds),
+    }
+
+
+@torch.no_grad()
+def rollout_logprob_diff(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> float:
+    """`rollout/logprob_diff`: mean |engine log-prob - actor log-prob| over response tokens `[B, R]`.
+
+    Near 0 right after a weight sync; a jump means the rollout fleet and the
+    trainer disagree about the weights (or the numerics).
+    """
+    diff = (rollout_log_probs.double() - old_log_probs.double()).abs()
+    return masked_mean(diff, response_mask).item()
