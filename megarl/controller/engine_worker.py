@@ -1,0 +1,116 @@
+"""The Ray actor that hosts one rank of a Megatron engine (actor, reference or critic).
+
+The controller creates one per rank (see `WorkerGroup`), initialises torch
+distributed + Megatron parallel state in each, then calls one method per phase
+with this rank's data-parallel shard. Ranks that do not hold the output (TP
+rank > 0, or not the last pipeline stage) return None.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+
+from megarl.protocol import Batch
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MegatronWorker:
+    def __init__(self, *, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.engine = None
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    def master_endpoint(self) -> tuple[str, int]:
+        """Called on rank 0: where the other ranks meet it for the process group."""
+        host = "127.0.0.1" if self.world_size == 1 or not torch.cuda.is_available() else socket.gethostbyname(socket.gethostname())
+        return host, _free_port()
+
+    def init_engine(self, *, master_addr: str, master_port: int, parallel: dict, engine_kwargs: dict) -> None:
+        from megarl.engines.distributed import init_distributed
+
+        init_distributed(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            tp=parallel["tp"],
+            pp=parallel["pp"],
+            vpp=parallel.get("vpp"),
+            ep=parallel.get("ep", 1),
+        )
+        from megarl.engines.actor import PolicyEngine
+
+        self.engine = PolicyEngine(**engine_kwargs)
+
+    def parallel_layout(self) -> dict[str, Any]:
+        from megarl.engines.distributed import parallel_layout
+
+        return parallel_layout()
+
+    def _is_output(self) -> bool:
+        return self.parallel_layout()["is_output"]
+
+    def compute_log_prob(self, shard: Batch, *, temperature: float, micro_batch_size: int, with_entropy: bool,
+                         key: str) -> Batch | None:
+        log_probs, entropy = self.engine.compute_log_prob(
+            input_ids=shard["input_ids"],
+            attention_mask=shard["attention_mask"],
+            position_ids=shard["position_ids"],
+            response_length=shard["responses"].shape[1],
+            temperature=temperature,
+            micro_batch_size=micro_batch_size,
+            with_entropy=with_entropy,
+        )
+        if not self._is_output():
+            return None
+        out = {key: log_probs}
+        if with_entropy:
+            out["entropy"] = entropy
+        return Batch.from_dict(out)
+
+    def update_actor(self, shard: Batch, **ppo_kwargs) -> dict[str, float] | None:
+        metrics = self.engine.update_policy(
+            input_ids=shard["input_ids"],
+            attention_mask=shard["attention_mask"],
+            position_ids=shard["position_ids"],
+            response_mask=shard["response_mask"],
+            old_log_probs=shard["old_log_probs"],
+            advantages=shard["advantages"],
+            ref_log_prob=shard["ref_log_prob"] if "ref_log_prob" in shard else None,
+            **ppo_kwargs,
+        )
+        return metrics if self._is_output() else None
+
+    def sft_step(self, shard: Batch, *, micro_batch_size: int) -> dict[str, float] | None:
+        metrics = self.engine.sft_step(
+            input_ids=shard["input_ids"],
+            attention_mask=shard["attention_mask"],
+            position_ids=shard["position_ids"],
+            loss_mask=shard["loss_mask"],
+            micro_batch_size=micro_batch_size,
+        )
+        return metrics if self._is_output() else None
+
+    def push_weights(self, *, urls: list[str], api_key: str | None, version: int) -> dict[str, float] | None:
+        """Weight sync v1: gather HF-named tensors (collective), rank 0 sends them to every server."""
+        named = self.engine.hf_state_dict()
+        if self.rank != 0:
+            return None
+        from megarl.rollout.client import RolloutClient
+        from megarl.weightsync import sync_from_tensor
+
+        client = RolloutClient(urls, api_key=api_key)
+        try:
+            stats = sync_from_tensor(named, client, weight_version=str(version))
+        finally:
+            client.close()
+        return {"perf/weight_sync_gbps": stats.gbps, "weight_sync/seconds": stats.seconds}

@@ -1,0 +1,105 @@
+"""The data-shaping parts of a step: uids, the generation batch, assembling responses, masks, advantages.
+
+Each function takes and returns a `Batch` (or tensors) and does one thing of the
+phase table in DESIGN.md §1; the step loop in `trainer.py` calls them in order.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from megarl.algorithms import advantages as adv
+from megarl.algorithms.kl import apply_kl_in_reward
+from megarl.protocol import Batch
+
+GENERATION_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def add_uids(batch: Batch) -> Batch:
+    """Give every original prompt a uid; responses of one prompt share it after repeat."""
+    batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+    return batch
+
+
+def split_generation_batch(batch: Batch) -> Batch:
+    """Pop only what generation needs off `batch`; the rest stays for the union after generation."""
+    return batch.pop(list(GENERATION_KEYS))
+
+
+def prompt_token_lists(gen_batch: Batch) -> list[list[int]]:
+    """The unpadded prompt ids of each row (left padding removed by the mask)."""
+    ids, mask = gen_batch["input_ids"], gen_batch["attention_mask"].bool()
+    return [row[keep].tolist() for row, keep in zip(ids, mask)]
+
+
+def assemble_rollout(
+    gen_batch: Batch,
+    *,
+    responses: torch.Tensor,
+    response_lengths: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+) -> Batch:
+    """prompt [B, P] + response [B, R] -> full sequences with masks and positions continuing the prompt's."""
+    prompts, prompt_mask = gen_batch["input_ids"], gen_batch["attention_mask"]
+    width = responses.shape[1]
+    steps = torch.arange(width).unsqueeze(0)
+    response_mask = (steps < response_lengths.unsqueeze(1)).to(prompt_mask.dtype)
+    last_position = gen_batch["position_ids"][:, -1:]
+    response_positions = last_position + 1 + steps
+    return Batch.from_dict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+            "position_ids": torch.cat([gen_batch["position_ids"], response_positions], dim=1),
+            "rollout_log_probs": rollout_log_probs * response_mask,
+        },
+        meta=dict(gen_batch.meta),
+    )
+
+
+def add_response_mask(batch: Batch) -> Batch:
+    """`response_mask` = the response part of the attention mask."""
+    width = batch["responses"].shape[1]
+    batch["response_mask"] = batch["attention_mask"][:, -width:].float()
+    return batch
+
+
+def apply_kl(batch: Batch, *, kl_coef: float, kind: str) -> dict[str, float]:
+    """token_level_rewards = scores - kl_coef * KL(actor || ref) per token; returns the KL metrics."""
+    rewards, metrics = apply_kl_in_reward(
+        batch["token_level_scores"],
+        batch["old_log_probs"],
+        batch["ref_log_prob"],
+        batch["response_mask"],
+        kl_coef=kl_coef,
+        kind=kind,
+    )
+    batch["token_level_rewards"] = rewards
+    return {key: float(value) for key, value in metrics.items()}
+
+
+def compute_advantage(batch: Batch, *, estimator: str, gamma: float, lam: float, norm_by_std: bool) -> Batch:
+    """The estimator fork of the step: GAE reads values, the group estimators read uid."""
+    rewards, mask = batch["token_level_rewards"], batch["response_mask"]
+    if estimator == "gae":
+        advantages, returns = adv.gae(rewards, batch["values"], mask, gamma=gamma, lam=lam)
+    elif estimator == "grpo":
+        advantages, returns = adv.grpo(rewards, mask, batch["uid"], norm_by_std=norm_by_std)
+    elif estimator == "rloo":
+        advantages, returns = adv.rloo(rewards, mask, batch["uid"])
+    elif estimator == "reinforce_plus_plus":
+        advantages, returns = adv.reinforce_plus_plus(rewards, mask, gamma=gamma)
+    elif estimator == "reinforce_plus_plus_baseline":
+        advantages, returns = adv.reinforce_plus_plus_baseline(rewards, mask, batch["uid"])
+    else:
+        raise ValueError(f"unknown advantage estimator {estimator!r}")
+    batch["advantages"], batch["returns"] = advantages, returns
+    return batch
+
+

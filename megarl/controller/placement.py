@@ -1,0 +1,80 @@
+"""Resource pools and role placement on Ray.
+
+A pool is `nodes x per_node` device slots reserved as Ray placement-group
+bundles (one STRICT_PACK group per node, so a node's ranks stay together).
+Roles that share a pool (actor, reference, rollout by default) put one worker
+each on every bundle and split the slot's resources between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megarl.config import Recipe
+from megarl.config.layout import active_roles, role_pool
+
+@dataclass
+class ResourcePool:
+    """`nodes * per_node` slots; `device` is "cuda" (a GPU per slot) or "cpu" (a process per slot)."""
+
+    name: str
+    nodes: int
+    per_node: int
+    device: str
+    roles: list[str] = field(default_factory=list)
+    _groups: list = field(default_factory=list, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    def bundle(self) -> dict[str, float]:
+        return {"GPU": 1.0, "CPU": 1.0} if self.device == "cuda" else {"CPU": 1.0}
+
+    def reserve(self, timeout_s: float = 300.0) -> None:
+        """Create the placement groups and wait until Ray grants them."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if self._groups:
+            return
+        self._groups = [
+            placement_group([self.bundle()] * self.per_node, strategy="STRICT_PACK", name=f"megarl-{self.name}-{node}")
+            for node in range(self.nodes)
+        ]
+        ready = [group.ready() for group in self._groups]
+        done, pending = ray.wait(ready, num_returns=len(ready), timeout=timeout_s)
+        if pending:
+            raise RuntimeError(
+                f"resource pool {self.name!r}: Ray could not grant {self.nodes} x {self.per_node} "
+                f"{self.bundle()} within {timeout_s:.0f} s (cluster resources: {ray.cluster_resources()})"
+            )
+
+    def slot(self, rank: int):
+        """The (placement group, bundle index) of global slot `rank`."""
+        node, local = divmod(rank, self.per_node)
+        return self._groups[node], local
+
+    def release(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self._groups:
+            remove_placement_group(group)
+        self._groups = []
+
+    def share(self) -> float:
+        """Fraction of one slot each colocated role's worker asks for."""
+        return 1.0 / max(1, len(self.roles))
+
+
+def plan_pools(recipe: Recipe) -> dict[str, ResourcePool]:
+    """Map every active role to its pool; roles sharing a pool share the ResourcePool object."""
+    made: dict[str, ResourcePool] = {}
+    placement: dict[str, ResourcePool] = {}
+    for role in active_roles(recipe):
+        pool = role_pool(recipe.placement, role)
+        if pool.name not in made:
+            made[pool.name] = ResourcePool(pool.name, pool.nodes, pool.gpus_per_node, recipe.placement.device)
+        made[pool.name].roles.append(role)
+        placement[role] = made[pool.name]
+    return placement

@@ -1,0 +1,180 @@
+"""`megarl train`: turn a validated recipe into a running job and drive it to the last step.
+
+Set-up order: run directory and resolved recipe, tokenizer and data, initial HF
+weights, Ray and the resource pools, the Megatron worker groups, the optional
+SFT warm-up, the rollout fleet with the first weight sync, then the step loop
+with validation. Everything started here is stopped here, by handle.
+"""
+
+from __future__ import annotations
+
+import secrets
+import tempfile
+from pathlib import Path
+
+from megarl.config import Recipe, dump_recipe
+from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
+from megarl.controller.engine_worker import MegatronWorker
+from megarl.controller.fleet import RolloutFleet
+from megarl.controller.placement import plan_pools
+from megarl.controller.ray_cluster import connect_ray, start_local_ray
+from megarl.controller.roles import PolicyRole, Roles
+from megarl.controller.sft import run_sft_warmup
+from megarl.controller.tracking import Tracker
+from megarl.controller.trainer import StepSettings, Trainer
+from megarl.controller.validation import validate
+from megarl.controller.worker_group import WorkerGroup
+from megarl.protocol import Batch
+
+
+def _policy_group(recipe: Recipe, pool, *, name: str, parallel, weights: Path, trainable: bool) -> WorkerGroup:
+    group = WorkerGroup(MegatronWorker, pool, name=name)
+    master_addr, master_port = group.run_rank(0, "master_endpoint")
+    actor = recipe.actor
+    engine_kwargs = dict(
+        hf_config=recipe.model.hf_config(),
+        weights=str(weights),
+        seed=recipe.seed,
+        trainable=trainable,
+        params_dtype=recipe.model.dtype,
+    )
+    if trainable:
+        optim = actor.optim
+        engine_kwargs.update(
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            betas=tuple(optim.betas),
+            eps=optim.eps,
+            clip_grad=optim.clip_grad,
+            warmup_steps=optim.warmup_steps,
+            schedule=optim.schedule,
+            min_lr=optim.min_lr,
+            total_steps=recipe.trainer.total_steps * actor.ppo_epochs
+            * (recipe.data.train_batch_size * recipe.rollout.n // actor.ppo_mini_batch_size),
+        )
+    group.run(
+        "init_engine",
+        master_addr=master_addr,
+        master_port=master_port,
+        parallel=parallel.model_dump(),
+        engine_kwargs=engine_kwargs,
+    )
+    return group
+
+
+def _ppo_kwargs(recipe: Recipe, dp_size: int) -> dict:
+    actor = recipe.actor
+    return dict(
+        ppo_epochs=actor.ppo_epochs,
+        mini_batch_size=actor.ppo_mini_batch_size // dp_size,
+        micro_batch_size=actor.ppo_micro_batch_size,
+        shuffle=actor.shuffle,
+        seed=recipe.seed,
+        clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+    )
+
+
+def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
+    """Run `recipe` to its last step; returns the run directory."""
+    import ray
+
+    run_dir = Path(recipe.trainer.output_dir) / recipe.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    data = prepare_data(recipe, run_dir)
+    weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
+
+    if ray_address:
+        connect_ray(ray_address)
+    else:
+        start_local_ray(temp_dir=tempfile.mkdtemp(prefix="megarl-ray-"), num_cpus=8)
+    pools = plan_pools(recipe)
+    tracker = Tracker(
+        run_dir,
+        total_steps=recipe.trainer.total_steps,
+        jsonl=recipe.trainer.logging.jsonl,
+        tensorboard=recipe.trainer.logging.tensorboard,
+        console=recipe.trainer.logging.console,
+    )
+    fleet = None
+    try:
+        actor_group = _policy_group(recipe, pools["actor"], name="actor", parallel=recipe.actor.parallel,
+                                    weights=weights, trainable=True)
+        logprob_mbs = recipe.actor.logprob_micro_batch_size or recipe.actor.ppo_micro_batch_size
+        actor = PolicyRole(actor_group, logprob_micro_batch_size=logprob_mbs,
+                           ppo=_ppo_kwargs(recipe, actor_group.dp_size))
+        reference = None
+        if "reference" in pools:
+            ref_group = _policy_group(recipe, pools["reference"], name="reference",
+                                      parallel=recipe.reference.parallel, weights=weights, trainable=False)
+            reference = PolicyRole(ref_group, logprob_micro_batch_size=logprob_mbs)
+        if recipe.sft_warmup.steps > 0:
+            run_sft_warmup(actor, data, recipe, tracker)
+
+        api_key = secrets.token_hex(16)
+        fleet = RolloutFleet(
+            model_path=weights,
+            tokenizer_path=weights,
+            num_servers=recipe.rollout.num_servers,
+            host=recipe.rollout.host,
+            api_key=api_key,
+            threads=recipe.rollout.engine_threads,
+            max_concurrency=recipe.rollout.max_concurrency,
+            log_dir=run_dir / "logs",
+            max_response_length=recipe.data.max_response_length,
+            pad_token_id=data.tokenizer.pad_token_id,
+            stop_token_ids=[data.tokenizer.eos_token_id],
+            seed=recipe.seed,
+            top_p=recipe.rollout.top_p,
+            top_k=recipe.rollout.top_k,
+        )
+        roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference,
+                      kl_ctrl=data.kl_ctrl, api_key=api_key)
+        roles.sync_weights(version=0)
+        trainer = Trainer(roles, _step_settings(recipe, pools["actor"].world_size))
+
+        def run_validation() -> dict[str, float]:
+            return validate(data.val_batches(), generate=fleet.generate, reward_fn=data.reward_fn,
+                            temperature=recipe.rollout.val_temperature)
+
+        val_every = recipe.trainer.val_every
+        if val_every and recipe.trainer.val_before_train:
+            tracker.log(0, run_validation())
+        for step in range(recipe.trainer.total_steps):
+            metrics = trainer.step(step, Batch.from_dict(next(data.train_batches)))
+            if val_every and ((step + 1) % val_every == 0 or step + 1 == recipe.trainer.total_steps):
+                metrics.update(run_validation())
+            metrics["train/epoch"] = data.train_batches.epoch
+            tracker.log(step + 1, metrics)
+    finally:
+        tracker.close()
+        if fleet is not None:
+            fleet.shutdown()
+        if not ray_address:
+            ray.shutdown()
+    return run_dir
+
+
+def _step_settings(recipe: Recipe, num_devices: int) -> StepSettings:
+    algo = recipe.algorithm
+    return StepSettings(
+        rollout_n=recipe.rollout.n,
+        temperature=recipe.rollout.temperature,
+        max_response_length=recipe.data.max_response_length,
+        adv_estimator=algo.adv_estimator,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
+        use_kl_in_reward=algo.use_kl_in_reward,
+        kl_penalty=algo.kl_penalty,
+        balance_batch=recipe.trainer.balance_batch,
+        critic_warmup=recipe.critic.warmup_steps if recipe.critic else 0,
+        num_devices=num_devices,
+    )

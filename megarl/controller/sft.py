@@ -1,0 +1,44 @@
+"""The optional supervised warm-up before RL: next-token loss on the task's reference solutions.
+
+The CPU quickstart starts from random weights; a short warm-up teaches the
+answer format so RL starts from a measurably imperfect but non-zero policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.controller.phases import assemble_rollout, split_generation_batch
+from megarl.controller.roles import PolicyRole
+from megarl.data.padding import right_pad
+from megarl.protocol import Batch
+
+
+def sft_batch(prompts: Batch, tokenizer, *, max_response_length: int) -> Batch:
+    """prompt + reference solution + eos, with `loss_mask` on the solution tokens only."""
+    targets = [
+        tokenizer.encode(info["answer"], add_special_tokens=False)[: max_response_length - 1] + [tokenizer.eos_token_id]
+        for info in prompts["extra_info"]
+    ]
+    responses, lengths = right_pad(targets, tokenizer.pad_token_id, max_response_length)
+    gen = split_generation_batch(prompts)
+    full = assemble_rollout(gen, responses=responses, response_lengths=lengths,
+                            rollout_log_probs=torch.zeros(responses.shape, dtype=torch.float32))
+    prompt_width = gen["input_ids"].shape[1]
+    loss_mask = full["attention_mask"].clone().float()
+    loss_mask[:, :prompt_width] = 0
+    full["loss_mask"] = loss_mask
+    return full.select(["input_ids", "attention_mask", "position_ids", "loss_mask"])
+
+
+def run_sft_warmup(actor: PolicyRole, data, recipe, tracker) -> None:
+    from megarl.data.dataset import PromptLoader
+
+    warmup = recipe.sft_warmup
+    loader = PromptLoader(data.train_dataset, warmup.batch_size, shuffle=True, seed=recipe.seed + 1)
+    for step in range(warmup.steps):
+        batch = sft_batch(Batch.from_dict(next(loader)), data.tokenizer,
+                          max_response_length=recipe.data.max_response_length)
+        metrics = actor.sft(batch, micro_batch_size=recipe.actor.ppo_micro_batch_size)
+        if (step + 1) % max(1, warmup.steps // 5) == 0 or step + 1 == warmup.steps:
+            tracker.message(f"sft warm-up {step + 1}/{warmup.steps}: loss {metrics.get('sft/loss', float('nan')):.4f}")

@@ -1,0 +1,328 @@
+"""The async client for a fleet of SGLang-protocol servers, with a blocking facade for the controller.
+
+It speaks only SGLang's HTTP protocol, so the same code drives real SGLang
+servers and megarl's CPU engine. Each prompt is one `/generate` request
+carrying its n samples as a batch of n copies (n samples of a prompt are
+consecutive in the result, prompts in order). Requests go to the server with
+the fewest requests assigned (round-robin on ties), with at most
+`max_concurrency` in flight per server.
+
+Determinism: with `seed`, sample j of prompt i is sent with its own
+`sampling_seed = seed * 1000003 + i * n + j`, so results do not depend on how
+requests are spread over servers or batched inside them. (One seed for all n
+copies would make SGLang draw n identical samples.)
+
+All network work runs on a private event loop in a background thread: the
+blocking methods work from plain code and from inside other event loops
+(`agenerate` awaits the same work from any loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Coroutine, TypeVar
+
+import aiohttp
+import torch
+
+from megarl.rollout.results import GenerationResult, parse_output, results_to_tensors
+from megarl.rollout.tensor_transport import serialize_named_tensors
+
+# results_to_tensors is re-exported: callers take the client and its packing helper from one place.
+__all__ = ["GenerationResult", "RolloutClient", "RolloutError", "results_to_tensors"]
+
+T = TypeVar("T")
+SEED_STRIDE = 1_000_003
+SEED_MODULUS = 2**63 - 1
+
+
+def generate_body(
+    prompt: list[int], index: int, *, n: int, sampling: dict[str, Any], seed: int | None, return_logprob: bool
+) -> dict[str, Any]:
+    """The `/generate` body for prompt number `index`: its n samples as a batch of n copies, each with its own seed."""
+    params = [dict(sampling) for _ in range(n)]
+    if seed is not None:
+        for sample, item in enumerate(params):
+            item["sampling_seed"] = (seed * SEED_STRIDE + index * n + sample) % SEED_MODULUS
+    if n == 1:
+        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": return_logprob}
+    return {"input_ids": [list(prompt)] * n, "sampling_params": params, "return_logprob": return_logprob}
+
+
+class RolloutError(RuntimeError):
+    """A server answered with an error (or not at all); names the server URL, endpoint, status and message."""
+
+    def __init__(self, url: str, endpoint: str, status: int | None, message: str):
+        self.url, self.endpoint, self.status, self.message = url, endpoint, status, message
+        status_text = f"HTTP {status}" if status is not None else "no response"
+        super().__init__(f"{url}{endpoint}: {status_text}: {message}")
+
+
+@dataclass
+class _Server:
+    url: str
+    slots: asyncio.Semaphore | None = None
+    assigned: int = 0
+
+
+class RolloutClient:
+    """Generation and weight-update calls over a list of server URLs."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 256,
+        timeout_s: float = 600.0,
+    ):
+        if not urls:
+            raise ValueError("RolloutClient needs at least one server URL")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self._servers = [_Server(url.rstrip("/")) for url in urls]
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._max_concurrency = max_concurrency
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._next_server = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
+        self._thread.start()
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self._servers]
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        n: int = 1,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        return_logprob: bool = True,
+        ignore_eos: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate `n` samples per prompt; returns len(prompts) * n results, prompt-major.
+
+        temperature 0 is greedy; top_k -1 is off. Raises RolloutError when a server fails.
+        """
+        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
+                       stop_token_ids=stop_token_ids, seed=seed, return_logprob=return_logprob, ignore_eos=ignore_eos)
+        return self._call(self._generate(prompts, **options))
+
+    async def agenerate(self, prompts: list[list[int]], **options: Any) -> list[GenerationResult]:
+        """`generate` for callers running their own event loop (same keyword arguments)."""
+        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, **options), self._loop)
+        return await asyncio.wrap_future(future)
+
+    async def _generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        n: int = 1,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        return_logprob: bool = True,
+        ignore_eos: bool = False,
+    ) -> list[GenerationResult]:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        sampling: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "ignore_eos": ignore_eos,
+        }
+        if stop_token_ids:
+            sampling["stop_token_ids"] = list(stop_token_ids)
+
+        async def one(index: int, prompt: list[int]) -> list[GenerationResult]:
+            body = generate_body(prompt, index, n=n, sampling=sampling, seed=seed, return_logprob=return_logprob)
+            server = self._pick_server()
+            try:
+                async with server.slots:
+                    reply = await self._request(server.url, "POST", "/generate", body)
+            finally:
+                server.assigned -= 1
+            items = reply if isinstance(reply, list) else [reply]
+            if len(items) != n:
+                raise RolloutError(server.url, "/generate", 200, f"expected {n} outputs, got {len(items)}")
+            try:
+                return [parse_output(item, return_logprob=return_logprob) for item in items]
+            except (KeyError, TypeError, ValueError) as error:
+                raise RolloutError(server.url, "/generate", 200, f"malformed response: {error!r}") from error
+
+        tasks = [asyncio.ensure_future(one(index, prompt)) for index, prompt in enumerate(prompts)]
+        try:
+            per_prompt = await asyncio.gather(*tasks)
+        except BaseException:
+            # One failure fails the call: stop sending the rest.
+            for task in tasks:
+                task.cancel()
+            raise
+        return [result for results in per_prompt for result in results]
+
+    def _pick_server(self) -> _Server:
+        """The server with the fewest assigned requests, starting the search after the last pick."""
+        order = self._servers[self._next_server :] + self._servers[: self._next_server]
+        chosen = min(order, key=lambda server: server.assigned)
+        self._next_server = (self._servers.index(chosen) + 1) % len(self._servers)
+        if chosen.slots is None:
+            chosen.slots = asyncio.Semaphore(self._max_concurrency)
+        chosen.assigned += 1
+        return chosen
+
+    # ---- control: every call goes to all servers ---------------------------------------------
+
+    def health(self) -> list[bool]:
+        """Per server: does `/health` answer 200?"""
+        return self._call(self._health())
+
+    def model_info(self) -> list[dict]:
+        return self._call(self._all("GET", "/model_info"))
+
+    def flush_cache(self) -> None:
+        self._call(self._all("POST", "/flush_cache"))
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self._call(self._all("POST", "/pause_generation", {"mode": mode}))
+
+    def continue_generation(self) -> None:
+        self._call(self._all("POST", "/continue_generation", {}))
+
+    def begin_weight_update(self, selector: str = "all") -> None:
+        self._call(self._all("POST", "/begin_weight_update", {"selector": selector}))
+
+    def end_weight_update(self) -> None:
+        self._call(self._all("POST", "/end_weight_update", {}))
+
+    def update_weight_version(self, new_version: str) -> None:
+        self._call(self._all("POST", "/update_weight_version", {"new_version": new_version}))
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> None:
+        body = {"model_path": str(model_path), "weight_version": weight_version}
+        self._call(self._all("POST", "/update_weights_from_disk", body))
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Send tensors (HF names) to every server; call between begin/end_weight_update."""
+        # One serialisation per server: each pickle holds one reference on the
+        # shared-memory files, which exactly one receiver releases.
+        bodies = [
+            {
+                "serialized_named_tensors": [serialize_named_tensors(named_tensors, load_format=load_format)],
+                "load_format": load_format,
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            }
+            for _ in self._servers
+        ]
+        self._call(self._all("POST", "/update_weights_from_tensor", bodies))
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        if self._session is not None:
+            self._call(self._session.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _all(self, method: str, endpoint: str, body: Any = None) -> list[Any]:
+        """The same call on every server (a list `body` gives one body per server); raises naming each failure."""
+        bodies = body if isinstance(body, list) else [body] * len(self._servers)
+        replies = await asyncio.gather(
+            *(self._request(server.url, method, endpoint, item) for server, item in zip(self._servers, bodies)),
+            return_exceptions=True,
+        )
+        errors = [reply for reply in replies if isinstance(reply, BaseException)]
+        if len(errors) > 1 and all(isinstance(error, RolloutError) for error in errors):
+            urls = ", ".join(error.url for error in errors)
+            raise RolloutError(urls, endpoint, None, " | ".join(str(error) for error in errors))
+        if errors:
+            raise errors[0]
+        return replies
+
+    async def _health(self) -> list[bool]:
+        async def check(server: _Server) -> bool:
+            try:
+                async with self._ensure_session().get(f"{server.url}/health") as response:
+                    return response.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return False
+
+        return list(await asyncio.gather(*(check(server) for server in self._servers)))
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # Concurrency is bounded per server by the semaphores, not by the connector.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers)
+        return self._session
+
+    async def _request(self, url: str, method: str, endpoint: str, body: Any = None) -> Any:
+        try:
+            async with self._ensure_session().request(method, f"{url}{endpoint}", json=body) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    raise RolloutError(url, endpoint, response.status, _error_message(text))
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            raise RolloutError(url, endpoint, None, f"{type(error).__name__}: {error}") from error
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+
+def _error_message(text: str) -> str:
+    """The message inside SGLang's error bodies (`{"error": {"message"}}`, `{"message"}`), else the raw text."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return text.strip()[:2000]
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if "message" in payload:
+            return str(payload["message"])
+        if "detail" in payload:
+            return str(payload["detail"])
+    return text.strip()[:2000]

@@ -1,0 +1,11 @@
+"""A CPU inference server that speaks SGLang's HTTP protocol (0.5.23 fields and shapes).
+
+SGLang does not run on CPU machines, so tests and CPU quickstarts run this
+engine instead: a FastAPI + uvicorn process holding an HF causal LM in float32
+that batches concurrent requests with a KV cache. Start it with
+`python -m megarl.rollout.cpu_engine --model-path DIR --port N` (or
+`megarl.rollout.server.start_cpu_engine`). Modules: `schema` (request
+validation), `generate_io` (requests <-> sequences/responses), `sequence`,
+`sampler`, `scheduler` (the batch loop), `weights` (loading and updates),
+`engine` (state behind the routes), `http_server` (the routes).
+"""

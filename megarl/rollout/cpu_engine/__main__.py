@@ -1,0 +1,43 @@
+"""`python -m megarl.rollout.cpu_engine --model-path DIR --port N ...`: run one engine server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import uvicorn
+
+from megarl.rollout.cpu_engine.engine import EngineArgs
+from megarl.rollout.cpu_engine.http_server import build_app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.cpu_engine", description=__doc__)
+    parser.add_argument("--model-path", required=True, help="HF model dir (config.json + safetensors)")
+    parser.add_argument("--tokenizer-path", default=None, help="tokenizer dir (default: the model dir, if it has one)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on all but /health")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together")
+    parser.add_argument("--weight-version", default="default", help="initial weight_version")
+    parser.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
+    parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    args = parser.parse_args(argv)
+    if args.max_batch < 1 or args.threads < 1:
+        parser.error("--max-batch and --threads must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_args(argv)
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = EngineArgs(**{key: value for key, value in vars(options).items() if key != "log_level"})
+    torch.set_num_threads(args.threads)
+    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

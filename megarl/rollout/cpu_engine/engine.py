@@ -1,0 +1,227 @@
+"""The engine state behind the HTTP routes: model, tokenizer, scheduler, weight version, update session.
+
+Control operations are blocking and run on a worker thread of the HTTP server
+(`asyncio.to_thread`); `_control_lock` makes them one-at-a-time. Weight updates
+follow SGLang 0.5.23: tensor and distributed updates must sit between
+`begin_weight_update` and `end_weight_update` (disk updates need no session); each update is
+decoded and checked off the generation path, then copied in while the
+scheduler holds between two decode steps, so running requests continue on the
+new weights (SGLang's in-place behaviour) and report the new `weight_version`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass
+
+from megarl.rollout.cpu_engine.scheduler import Scheduler
+from megarl.rollout.cpu_engine.sequence import Sequence
+from megarl.rollout.cpu_engine.update_group import UpdateGroups, parse_dtype
+from megarl.rollout.cpu_engine.weights import (
+    WeightUpdateError,
+    apply_named_tensors,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    read_checkpoint,
+)
+from megarl.rollout.tensor_transport import deserialize_named_tensors
+
+SERVER_VERSION = "megarl-cpu-engine/0.1 (SGLang 0.5.23 HTTP protocol)"
+
+
+@dataclass
+class EngineArgs:
+    """Command-line settings of one engine process."""
+
+    model_path: str
+    tokenizer_path: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    threads: int = 1
+    max_batch: int = 256
+    weight_version: str = "default"
+    seed: int = 0
+    attn_implementation: str = "sdpa"
+
+
+class CpuEngine:
+    """Everything one server process serves; built once the model has loaded."""
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.model = load_model(args.model_path, attn_implementation=args.attn_implementation)
+        self.tokenizer = load_tokenizer(
+            args.tokenizer_path or args.model_path, required=args.tokenizer_path is not None
+        )
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.context_length = int(self.model.config.max_position_embeddings)
+        self.weight_version = args.weight_version
+        self._update_selector: str | None = None
+        self._update_groups = UpdateGroups()
+        self._control_lock = threading.Lock()
+        self.scheduler = Scheduler(
+            self.model,
+            max_batch=args.max_batch,
+            eos_token_ids=eos_token_ids(self.model),
+            decode=self.decode if self.tokenizer is not None else None,
+            seed=args.seed,
+        )
+        self.scheduler.start()
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def stamp(self, seq: Sequence) -> None:
+        """Record the weight version a finished sequence was (last) generated with."""
+        seq.weight_version = self.weight_version
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+
+    # ---- weight updates: each returns (success, message) ------------------------------------
+
+    def begin_weight_update(self, selector: str) -> tuple[bool, str]:
+        with self._control_lock:
+            if self._update_selector is not None:
+                return False, "begin_weight_update: a weight-update session is already open"
+            if selector == "draft":
+                return False, "begin_weight_update: selector 'draft': this server has no draft model"
+            self._update_selector = selector
+            return True, "Success"
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        with self._control_lock:
+            if self._update_selector is None:
+                return False, "end_weight_update called without begin_weight_update"
+            self._update_selector = None
+            return True, "Success"
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> tuple[bool, str]:
+        with self._control_lock:
+            if self._update_selector is None:
+                return False, "update_weights_from_tensor requires an open begin_weight_update session"
+            if len(serialized_named_tensors) != 1:
+                return False, (
+                    f"serialized_named_tensors: expected 1 entry (one per TP rank, this server has 1), "
+                    f"got {len(serialized_named_tensors)}"
+                )
+            try:
+                named = deserialize_named_tensors(serialized_named_tensors[0], load_format=load_format)
+            except ValueError as error:
+                return False, str(error)
+            return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
+
+    def update_weights_from_disk(
+        self, model_path: str, *, abort_all_requests: bool, weight_version: str | None
+    ) -> tuple[bool, str]:
+        with self._control_lock:
+            try:
+                named = read_checkpoint(self.model, model_path)
+            except WeightUpdateError as error:
+                return False, f"update refused, no weight changed: {error}"
+            except OSError as error:
+                return False, f"model_path {model_path!r}: {error}"
+            return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
+
+    def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
+    ) -> tuple[bool, str]:
+        with self._control_lock:
+            try:
+                self._update_groups.join(master_address=master_address, master_port=master_port,
+                                         rank=rank_offset, world_size=world_size, group_name=group_name)
+            except (ValueError, RuntimeError) as error:
+                return False, f"init_weights_update_group failed: {error}"
+            return True, f"Joined {group_name!r} as rank {rank_offset} of {world_size}"
+
+    def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        abort_all_requests: bool,
+        weight_version: str | None,
+    ) -> tuple[bool, str]:
+        with self._control_lock:
+            if self._update_selector is None:
+                return False, "update_weights_from_distributed requires an open begin_weight_update session"
+            try:
+                torch_dtypes = [parse_dtype(dtype) for dtype in dtypes]
+                # Receive everything even when the tensors will be refused: a
+                # receiver that stops early would leave the trainer blocked in broadcast.
+                named = self._update_groups.receive(group_name, names, torch_dtypes, shapes)
+            except (ValueError, RuntimeError) as error:
+                return False, str(error)
+            return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
+
+    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        with self._control_lock:
+            try:
+                self._update_groups.destroy(group_name)
+            except ValueError as error:
+                return False, str(error)
+            return True, "Success"
+
+    def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
+        with self._control_lock:
+            if abort_all_requests:
+                self.scheduler.abort(abort_all=True, message="aborted by update_weight_version")
+            self.weight_version = new_version
+
+    def _apply(self, named, *, abort_all_requests: bool, weight_version: str | None) -> tuple[bool, str]:
+        if abort_all_requests:
+            self.scheduler.abort(abort_all=True, message="aborted by a weight update")
+        with self.scheduler.hold():
+            try:
+                count = apply_named_tensors(self.model, named)
+            except WeightUpdateError as error:
+                return False, f"update refused, no weight changed: {error}"
+            if weight_version is not None:
+                self.weight_version = weight_version
+        return True, f"Succeeded to update {count} tensors"
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """No prefix cache to drop on CPU; like SGLang, refuse while requests run or wait."""
+        running, waiting = self.scheduler.load()
+        return running == 0 and waiting == 0
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.args.model_path,
+            "tokenizer_path": self.args.tokenizer_path or (self.args.model_path if self.tokenizer else None),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(self.model.config, "model_type", None),
+            "architectures": getattr(self.model.config, "architectures", None),
+        }
+
+    def server_info(self) -> dict:
+        running, waiting = self.scheduler.load()
+        settings = {key: value for key, value in asdict(self.args).items() if key != "api_key"}
+        return {
+            **settings,
+            "version": SERVER_VERSION,
+            "weight_version": self.weight_version,
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "paused": self.scheduler.paused,
+            "weight_update_session_open": self._update_selector is not None,
+        }

@@ -1,0 +1,213 @@
+"""`/generate` bodies -> Sequences, and Sequences -> SGLang response dicts.
+
+Expansion follows SGLang: `input_ids` as list[int] (or `text` as a string) is
+one prompt, list[list[int]] (list[str]) is a batch; `sampling_params`,
+`rid`, `return_logprob`, `logprob_start_len` and `top_logprobs_num` may be one
+value for all prompts or a list with one per prompt. A prompt with `n` samples
+becomes n sequences placed consecutively; the response is a list (batch order)
+for batched input or n > 1, else a single dict.
+
+Deviation from SGLang, on purpose: with `sampling_seed` s and n > 1, sample j
+is seeded with s + j (SGLang would draw n identical samples), so one request
+returns n different, reproducible samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from megarl.rollout.cpu_engine.schema import GenerateBody, RequestError, SamplingParamsBody
+from megarl.rollout.cpu_engine.sequence import SamplingSettings, Sequence
+
+Decode = Callable[[list[int], bool], str]
+# Guards the server against a request that would allocate millions of sequences.
+MAX_SEQUENCES_PER_REQUEST = 16384
+
+
+@dataclass
+class GenerateJob:
+    """The sequences of one `/generate` call and how to shape its response."""
+
+    seqs: list[Sequence]
+    returns_list: bool
+    stream: bool
+    text_in_logprobs: bool
+
+
+def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, tokenizer: Any | None) -> GenerateJob:
+    """Validate the body against the model and expand it into sequences; RequestError lists every problem."""
+    problems: list[str] = []
+    prompts, is_batch = _prompts(body, tokenizer, problems)
+    if problems:
+        raise RequestError(problems)
+    count = len(prompts)
+    for index, prompt in enumerate(prompts):
+        where = f"input_ids[{index}]" if is_batch else "input_ids"
+        if not prompt:
+            problems.append(f"{where}: empty prompt")
+        elif bad := [token for token in prompt if not 0 <= token < vocab_size]:
+            problems.append(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    params = _per_prompt("sampling_params", body.sampling_params, count, SamplingParamsBody(), problems)
+    rids = _request_ids(body.rid, count, is_batch, problems)
+    return_logprob = _per_prompt("return_logprob", body.return_logprob, count, False, problems)
+    start_lens = _per_prompt("logprob_start_len", body.logprob_start_len, count, -1, problems)
+    top_nums = _per_prompt("top_logprobs_num", body.top_logprobs_num, count, 0, problems)
+    total = sum(item.n or 1 for item in params)
+    if total > MAX_SEQUENCES_PER_REQUEST:
+        problems.append(f"sampling_params.n: {total} sequences in one request (most: {MAX_SEQUENCES_PER_REQUEST})")
+    if problems:
+        raise RequestError(problems)
+
+    seqs: list[Sequence] = []
+    for index, prompt in enumerate(prompts):
+        settings = _settings(params[index], len(prompt), context_length, tokenizer, index, problems)
+        samples = params[index].n or 1
+        for sample in range(samples):
+            seed = settings.seed + sample if settings.seed is not None else None
+            seqs.append(
+                Sequence(
+                    rid=rids[index] if samples == 1 else f"{rids[index]}_{sample}",
+                    request_rid=rids[index],
+                    prompt_ids=list(prompt),
+                    sampling=dataclasses.replace(settings, seed=seed),
+                    return_logprob=bool(return_logprob[index]),
+                    logprob_start_len=start_lens[index],
+                    top_logprobs_num=top_nums[index] if return_logprob[index] else 0,
+                    stream=body.stream,
+                )
+            )
+    if problems:
+        raise RequestError(problems)
+    returns_list = is_batch or len(seqs) > len(prompts)
+    return GenerateJob(seqs, returns_list, body.stream, body.return_text_in_logprobs)
+
+
+def output_dict(
+    seq: Sequence,
+    *,
+    decode: Decode | None,
+    text_in_logprobs: bool,
+    current_weight_version: str,
+    upto: int | None = None,
+) -> dict:
+    """SGLang's `{text, output_ids, meta_info}` for one sequence; `upto` cuts a streaming snapshot.
+
+    A finished sequence reports the weight version it finished under; a
+    streaming snapshot of an unfinished one reports the current version.
+    """
+    length = len(seq.output_ids) if upto is None else upto
+    finished = seq.done and length == len(seq.output_ids)
+    output_ids = seq.output_ids[:length]
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "finish_reason": seq.finish_reason if finished else None,
+        "prompt_tokens": len(seq.prompt_ids),
+        "completion_tokens": length,
+        "cached_tokens": 0,
+        "weight_version": seq.weight_version if finished else current_weight_version,
+        "e2e_latency": seq.e2e_latency(),
+    }
+    if seq.return_logprob:
+        token_text = _token_text(decode) if text_in_logprobs else (lambda token: None)
+        meta["output_token_logprobs"] = [
+            [logprob, token, token_text(token)] for logprob, token in zip(seq.output_logprobs[:length], output_ids)
+        ]
+        prompt_logprobs = seq.input_logprobs or []
+        prompt_tail = seq.prompt_ids[len(seq.prompt_ids) - len(prompt_logprobs) :]
+        meta["input_token_logprobs"] = [
+            [logprob, token, token_text(token)] for logprob, token in zip(prompt_logprobs, prompt_tail)
+        ]
+        if seq.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [_top_entries(top, token_text) for top in seq.output_top_logprobs[:length]]
+            meta["input_top_logprobs"] = [_top_entries(top, token_text) for top in seq.input_top_logprobs or []]
+    text = seq.text(decode) if finished else (decode(output_ids, seq.sampling.skip_special_tokens) if decode else "")
+    return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+def _prompts(body: GenerateBody, tokenizer: Any | None, problems: list[str]) -> tuple[list[list[int]], bool]:
+    if body.text is not None and body.input_ids is not None:
+        problems.append("text: give either text or input_ids, not both")
+        return [], False
+    if body.input_ids is not None:
+        if not body.input_ids:
+            problems.append("input_ids: must not be empty")
+            return [], False
+        is_batch = isinstance(body.input_ids[0], list)
+        return (body.input_ids if is_batch else [body.input_ids]), is_batch
+    if body.text is not None:
+        if tokenizer is None:
+            problems.append("text: this server has no tokenizer (start it with --tokenizer-path); send input_ids")
+            return [], False
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        return [tokenizer(text)["input_ids"] for text in texts], isinstance(body.text, list)
+    problems.append("input_ids: required (or text)")
+    return [], False
+
+
+def _per_prompt(name: str, value: Any, count: int, default: Any, problems: list[str]) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != count:
+            problems.append(f"{name}: has {len(value)} entries for {count} prompts")
+            return [default] * count
+        return [default if item is None else item for item in value]
+    return [default if value is None else value] * count
+
+
+def _request_ids(rid: str | list[str] | None, count: int, is_batch: bool, problems: list[str]) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    if isinstance(rid, str):
+        # SGLang expands one string into per-item ids for a batch.
+        return [rid] if not is_batch else [f"{rid}_{index}" for index in range(count)]
+    if len(rid) != count:
+        problems.append(f"rid: has {len(rid)} entries for {count} prompts")
+    elif len(set(rid)) != len(rid):
+        problems.append("rid: duplicate request ids in one batch")
+    return list(rid)
+
+
+def _settings(
+    params: SamplingParamsBody,
+    prompt_length: int,
+    context_length: int,
+    tokenizer: Any | None,
+    index: int,
+    problems: list[str],
+) -> SamplingSettings:
+    max_new = params.max_new_tokens if params.max_new_tokens is not None else context_length - prompt_length
+    if prompt_length + max_new > context_length:
+        problems.append(
+            f"sampling_params.max_new_tokens: prompt {index} has {prompt_length} tokens; + max_new_tokens "
+            f"{max_new} exceeds the model context length {context_length}"
+        )
+    stops = (params.stop,) if isinstance(params.stop, str) else tuple(params.stop or ())
+    if stops and tokenizer is None:
+        problems.append("sampling_params.stop: stop strings need a tokenizer; use stop_token_ids")
+    return SamplingSettings(
+        max_new_tokens=max_new,
+        temperature=1.0 if params.temperature is None else params.temperature,
+        top_p=1.0 if params.top_p is None else params.top_p,
+        top_k=-1 if params.top_k is None else params.top_k,
+        min_p=params.min_p or 0.0,
+        stop_token_ids=frozenset(params.stop_token_ids or ()),
+        stop_strings=stops,
+        ignore_eos=bool(params.ignore_eos),
+        seed=params.sampling_seed,
+        skip_special_tokens=params.skip_special_tokens is not False,
+        no_stop_trim=bool(params.no_stop_trim),
+    )
+
+
+def _token_text(decode: Decode | None) -> Callable[[int], str | None]:
+    if decode is None:
+        return lambda token: None
+    return lambda token: decode([token], False)
+
+
+def _top_entries(top: list[tuple[float, int]] | None, token_text: Callable[[int], str | None]) -> list | None:
+    if top is None:
+        return None
+    return [[logprob, token, token_text(token)] for logprob, token in top]

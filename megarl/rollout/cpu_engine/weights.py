@@ -1,0 +1,122 @@
+"""Loading the HF model and replacing its weights in place, all-or-nothing.
+
+Incoming tensors carry HF parameter names (`model.layers.0.self_attn.q_proj.weight`).
+Every update is checked in full before anything is copied: each name must be a
+tensor of the model's state dict, with the same shape and dtype. A bad update
+is refused as a whole, naming every offending tensor, so the model never runs
+on a half-loaded set of weights. With tied embeddings `lm_head.weight` and
+`model.embed_tokens.weight` are one tensor; either name updates both.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class WeightUpdateError(ValueError):
+    """An update that was refused before any weight changed; `problems` has one line per tensor."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def load_model(model_path: str | Path, *, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The causal LM in float32 on CPU, in eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_path), dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    return model.eval()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str | Path, *, required: bool):
+    """The tokenizer at `path`; None when it is not `required` and `path` has no tokenizer files."""
+    if not required and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        logger.info("no tokenizer files in %s: text input disabled", path)
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
+    """EOS ids from the generation config and the model config (either may hold an int or a list)."""
+    ids: set[int] = set()
+    for config in (getattr(model, "generation_config", None), model.config):
+        value = getattr(config, "eos_token_id", None) if config is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def check_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> list[str]:
+    """One problem line per tensor whose name, shape or dtype does not fit the model."""
+    targets = model.state_dict(keep_vars=True)
+    problems = []
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name}: not a tensor ({type(tensor).__name__})")
+        elif name not in targets:
+            problems.append(f"{name}: no such tensor in the model")
+        elif tuple(tensor.shape) != tuple(targets[name].shape):
+            problems.append(f"{name}: shape {tuple(tensor.shape)} != model shape {tuple(targets[name].shape)}")
+        elif tensor.dtype != targets[name].dtype:
+            problems.append(f"{name}: dtype {tensor.dtype} != model dtype {targets[name].dtype}")
+    return problems
+
+
+def apply_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> int:
+    """Check all tensors, then copy them into the model; returns how many were copied."""
+    problems = check_named_tensors(model, named_tensors)
+    if problems:
+        raise WeightUpdateError(problems)
+    targets = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            targets[name].copy_(tensor)
+    return len(named_tensors)
+
+
+def read_checkpoint(model: PreTrainedModel, model_path: str | Path) -> NamedTensors:
+    """All tensors of the `*.safetensors` files in `model_path`, checked to cover every model weight.
+
+    Floating-point tensors are cast to the model's dtype, as loading the model
+    from that directory would (a bf16 checkpoint feeds a float32 CPU engine).
+    """
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError([f"{model_path}: no *.safetensors files"])
+    targets = model.state_dict(keep_vars=True)
+    named: NamedTensors = []
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            target = targets.get(name)
+            if target is not None and tensor.is_floating_point() and target.is_floating_point():
+                tensor = tensor.to(target.dtype)
+            named.append((name, tensor))
+    present = {name for name, _ in named}
+    required = _required_names(model)
+    missing = sorted(required - present)
+    if missing:
+        raise WeightUpdateError([f"{name}: missing from {model_path}" for name in missing])
+    return named
+
+
+def _required_names(model: PreTrainedModel) -> set[str]:
+    """State-dict names a full checkpoint must contain: one name per distinct tensor."""
+    seen: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        seen.setdefault(id(tensor), name)
+    return set(seen.values())

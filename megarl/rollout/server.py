@@ -1,0 +1,155 @@
+"""Launching CPU engine servers as subprocesses and stopping them by PID.
+
+`start_cpu_engine` runs `python -m megarl.rollout.cpu_engine` in its own
+process group with its output in a log file, and returns once `/health`
+answers 200. A server that exits early or never becomes healthy raises
+`ServerStartError` carrying the tail of its log. Servers bind to 127.0.0.1
+unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LOG_TAIL_CHARS = 4000
+
+
+class ServerStartError(RuntimeError):
+    """The engine process exited or never became healthy; the message ends with its log tail."""
+
+
+@dataclass
+class ServerHandle:
+    """A running engine process: its URL, PID, log file and API key."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    api_key: str | None = None
+    _stopped: bool = field(default=False, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL it if it has not exited in `timeout_s`."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.process.poll() is not None:
+            return
+        # The server was started in its own session, so its process group id is its PID.
+        _signal_group(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=timeout_s)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def start_cpu_engine(
+    model_path: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    api_key: str | None = None,
+    threads: int = 1,
+    tokenizer_path: str | Path | None = None,
+    max_batch: int = 256,
+    weight_version: str | None = None,
+    seed: int | None = None,
+    log_level: str = "info",
+    log_path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    startup_timeout_s: float = 120.0,
+) -> ServerHandle:
+    """Start one CPU engine server and wait until it is healthy."""
+    port = port if port is not None else free_port(host)
+    if log_path is None:
+        handle, name = tempfile.mkstemp(prefix=f"megarl-cpu-engine-{port}-", suffix=".log")
+        os.close(handle)
+        log_path = name
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
+    command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
+    command += ["--log-level", log_level]
+    optional = {"--api-key": api_key, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
+                "--seed": seed}
+    for flag, value in optional.items():
+        if value is not None:
+            command += [flag, str(value)]
+    process_env = {**os.environ, **(env or {})}
+    # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
+    process_env["OMP_NUM_THREADS"] = str(threads)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=process_env, start_new_session=True
+        )
+    server = ServerHandle(url=f"http://{host}:{port}", process=process, log_path=log_path, api_key=api_key)
+    try:
+        _wait_healthy(server, startup_timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _wait_healthy(server: ServerHandle, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code = server.process.poll()
+        if code is not None:
+            raise ServerStartError(
+                f"CPU engine at {server.url} exited with status {code} before becoming healthy; "
+                f"log {server.log_path}:\n{server.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise ServerStartError(
+                f"CPU engine at {server.url} not healthy after {timeout_s:.0f} s; "
+                f"log {server.log_path}:\n{server.log_tail()}"
+            )
+        time.sleep(0.1)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass

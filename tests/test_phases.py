@@ -1,0 +1,66 @@
+"""The controller's data-shaping phases: generation batch, response assembly, masks, advantage fork."""
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.algorithms import advantages as adv
+from megarl.controller import phases
+from megarl.protocol import Batch
+
+
+def _prompts() -> Batch:
+    # Two left-padded prompts: [pad, 5, 6] and [7, 8, 9].
+    return Batch.from_dict(
+        {
+            "input_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]),
+            "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+            "position_ids": torch.tensor([[0, 0, 1], [0, 1, 2]]),
+            "data_source": ["a", "b"],
+        }
+    )
+
+
+def test_generation_batch_holds_only_generation_keys_and_repeats_interleaved():
+    batch = phases.add_uids(_prompts())
+    gen = phases.split_generation_batch(batch).repeat(2, interleave=True)
+    assert sorted(gen.keys()) == ["attention_mask", "input_ids", "position_ids"]
+    assert sorted(batch.keys()) == ["data_source", "uid"]
+    assert phases.prompt_token_lists(gen) == [[5, 6], [5, 6], [7, 8, 9], [7, 8, 9]]
+    repeated = batch.repeat(2, interleave=True)
+    assert list(repeated["uid"][:2]) == [batch["uid"][0]] * 2 and repeated["uid"][0] != repeated["uid"][2]
+
+
+def test_assemble_rollout_continues_positions_and_masks_padding():
+    gen = phases.split_generation_batch(_prompts())
+    out = phases.assemble_rollout(
+        gen,
+        responses=torch.tensor([[11, 2, 3], [12, 13, 14]]),
+        response_lengths=torch.tensor([2, 3]),
+        rollout_log_probs=torch.tensor([[-0.5, -0.25, -9.0], [-1.0, -2.0, -3.0]]),
+    )
+    assert out["input_ids"].tolist() == [[0, 5, 6, 11, 2, 3], [7, 8, 9, 12, 13, 14]]
+    assert out["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    assert out["position_ids"].tolist() == [[0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]]
+    # Log-probs past the response end are zeroed, not left as engine garbage.
+    assert out["rollout_log_probs"].tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    masked = phases.add_response_mask(out)
+    assert masked["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_compute_advantage_forks_on_the_estimator():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
+    mask = torch.ones(4, 2)
+    uid = np.array(["p", "p", "q", "q"], dtype=object)
+    batch = Batch.from_dict({"token_level_rewards": rewards, "response_mask": mask, "uid": uid,
+                             "values": torch.zeros(4, 2)})
+    phases.compute_advantage(batch, estimator="grpo", gamma=1.0, lam=1.0, norm_by_std=True)
+    expected, _ = adv.grpo(rewards, mask, uid)
+    assert torch.equal(batch["advantages"], expected)
+    # Each group's two responses get opposite advantages.
+    assert batch["advantages"][0, 0] == pytest.approx(-batch["advantages"][1, 0])
+    phases.compute_advantage(batch, estimator="gae", gamma=1.0, lam=1.0, norm_by_std=True)
+    expected_gae, returns = adv.gae(rewards, torch.zeros(4, 2), mask, gamma=1.0, lam=1.0)
+    assert torch.equal(batch["advantages"], expected_gae) and torch.equal(batch["returns"], returns)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'"):
+        phases.compute_advantage(batch, estimator="ppo2", gamma=1.0, lam=1.0, norm_by_std=True)
