@@ -94,7 +94,7 @@ def prepare_initial_weights(recipe: Recipe, run_dir: Path, tokenizer) -> Path:
         hf_config = dict(recipe.model.hf_config())
         config = AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
         torch.manual_seed(recipe.seed)
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ class MegatronWorker:
     def __init__(self, *, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.engine = None
+        # Without transformer-engine/apex megatron warns once per module import; the
+        # fallbacks are the intended CPU/local-spec path, not a problem to report.
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope).*")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     def master_endpoint(self) -> tuple[str, int]:
@@ -90,13 +94,14 @@ class MegatronWorker:
         )
         return metrics if self._is_output() else None
 
-    def sft_step(self, shard: Batch, *, micro_batch_size: int) -> dict[str, float] | None:
+    def sft_step(self, shard: Batch, *, micro_batch_size: int, lr: float) -> dict[str, float] | None:
         metrics = self.engine.sft_step(
             input_ids=shard["input_ids"],
             attention_mask=shard["attention_mask"],
             position_ids=shard["position_ids"],
             loss_mask=shard["loss_mask"],
             micro_batch_size=micro_batch_size,
+            lr=lr,
         )
         return metrics if self._is_output() else None
 

@@ -61,8 +61,8 @@ class PolicyRole:
         per_rank = self.group.dispatch_dp("update_actor", batch.select(keys), temperature=temperature, **self.ppo)
         return mean_metrics(per_rank)
 
-    def sft(self, batch: Batch, *, micro_batch_size: int) -> dict[str, float]:
-        return mean_metrics(self.group.dispatch_dp("sft_step", batch, micro_batch_size=micro_batch_size))
+    def sft(self, batch: Batch, *, micro_batch_size: int, lr: float) -> dict[str, float]:
+        return mean_metrics(self.group.dispatch_dp("sft_step", batch, micro_batch_size=micro_batch_size, lr=lr))
 
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int) -> dict[str, float]:
         results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 from megarl.config import Recipe, dump_recipe
@@ -81,8 +82,58 @@ def _ppo_kwargs(recipe: Recipe, dp_size: int) -> dict:
     )
 
 
+def _start_fleet(recipe: Recipe, *, weights: Path, data, api_key: str, run_dir: Path) -> RolloutFleet:
+    return RolloutFleet(
+        model_path=weights,
+        tokenizer_path=weights,
+        num_servers=recipe.rollout.num_servers,
+        host=recipe.rollout.host,
+        api_key=api_key,
+        threads=recipe.rollout.engine_threads,
+        max_concurrency=recipe.rollout.max_concurrency,
+        log_dir=run_dir / "logs",
+        max_response_length=recipe.data.max_response_length,
+        pad_token_id=data.tokenizer.pad_token_id,
+        stop_token_ids=[data.tokenizer.eos_token_id],
+        seed=recipe.seed,
+        top_p=recipe.rollout.top_p,
+        top_k=recipe.rollout.top_k,
+    )
+
+
+def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
+                 cleanup: ExitStack) -> Roles:
+    """Worker groups, the optional SFT warm-up, the fleet and the first weight sync; registers their teardown."""
+    for pool in set(pools.values()):
+        cleanup.callback(pool.release)
+    actor_group = _policy_group(recipe, pools["actor"], name="actor", parallel=recipe.actor.parallel,
+                                weights=weights, trainable=True)
+    cleanup.callback(actor_group.kill)
+    logprob_mbs = recipe.actor.logprob_micro_batch_size or recipe.actor.ppo_micro_batch_size
+    actor = PolicyRole(actor_group, logprob_micro_batch_size=logprob_mbs, ppo=_ppo_kwargs(recipe, actor_group.dp_size))
+    reference = None
+    if "reference" in pools:
+        ref_group = _policy_group(recipe, pools["reference"], name="reference", parallel=recipe.reference.parallel,
+                                  weights=weights, trainable=False)
+        cleanup.callback(ref_group.kill)
+        reference = PolicyRole(ref_group, logprob_micro_batch_size=logprob_mbs)
+    if recipe.sft_warmup.steps > 0:
+        run_sft_warmup(actor, data, recipe, tracker)
+    api_key = secrets.token_hex(16)
+    fleet = _start_fleet(recipe, weights=weights, data=data, api_key=api_key, run_dir=run_dir)
+    cleanup.callback(fleet.shutdown)
+    roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference,
+                  kl_ctrl=data.kl_ctrl, api_key=api_key)
+    roles.sync_weights(version=0)
+    return roles
+
+
 def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
-    """Run `recipe` to its last step; returns the run directory."""
+    """Run `recipe` to its last step; returns the run directory.
+
+    Joins `ray_address`, or the Ray already initialised in this process, or
+    starts a local one (and then stops it at the end).
+    """
     import ray
 
     run_dir = Path(recipe.trainer.output_dir) / recipe.name
@@ -91,74 +142,34 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
     data = prepare_data(recipe, run_dir)
     weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
 
-    if ray_address:
-        connect_ray(ray_address)
-    else:
-        start_local_ray(temp_dir=tempfile.mkdtemp(prefix="megarl-ray-"), num_cpus=8)
-    pools = plan_pools(recipe)
-    tracker = Tracker(
-        run_dir,
-        total_steps=recipe.trainer.total_steps,
-        jsonl=recipe.trainer.logging.jsonl,
-        tensorboard=recipe.trainer.logging.tensorboard,
-        console=recipe.trainer.logging.console,
-    )
-    fleet = None
-    try:
-        actor_group = _policy_group(recipe, pools["actor"], name="actor", parallel=recipe.actor.parallel,
-                                    weights=weights, trainable=True)
-        logprob_mbs = recipe.actor.logprob_micro_batch_size or recipe.actor.ppo_micro_batch_size
-        actor = PolicyRole(actor_group, logprob_micro_batch_size=logprob_mbs,
-                           ppo=_ppo_kwargs(recipe, actor_group.dp_size))
-        reference = None
-        if "reference" in pools:
-            ref_group = _policy_group(recipe, pools["reference"], name="reference",
-                                      parallel=recipe.reference.parallel, weights=weights, trainable=False)
-            reference = PolicyRole(ref_group, logprob_micro_batch_size=logprob_mbs)
-        if recipe.sft_warmup.steps > 0:
-            run_sft_warmup(actor, data, recipe, tracker)
-
-        api_key = secrets.token_hex(16)
-        fleet = RolloutFleet(
-            model_path=weights,
-            tokenizer_path=weights,
-            num_servers=recipe.rollout.num_servers,
-            host=recipe.rollout.host,
-            api_key=api_key,
-            threads=recipe.rollout.engine_threads,
-            max_concurrency=recipe.rollout.max_concurrency,
-            log_dir=run_dir / "logs",
-            max_response_length=recipe.data.max_response_length,
-            pad_token_id=data.tokenizer.pad_token_id,
-            stop_token_ids=[data.tokenizer.eos_token_id],
-            seed=recipe.seed,
-            top_p=recipe.rollout.top_p,
-            top_k=recipe.rollout.top_k,
-        )
-        roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference,
-                      kl_ctrl=data.kl_ctrl, api_key=api_key)
-        roles.sync_weights(version=0)
+    with ExitStack() as cleanup:
+        if ray_address:
+            connect_ray(ray_address)
+        elif not ray.is_initialized():
+            start_local_ray(temp_dir=tempfile.mkdtemp(prefix="megarl-ray-"), num_cpus=8)
+            cleanup.callback(ray.shutdown)
+        logging = recipe.trainer.logging
+        tracker = Tracker(run_dir, total_steps=recipe.trainer.total_steps, jsonl=logging.jsonl,
+                          tensorboard=logging.tensorboard, console=logging.console)
+        cleanup.callback(tracker.close)
+        pools = plan_pools(recipe)
+        roles = _start_roles(recipe, pools=pools, weights=weights, data=data, run_dir=run_dir, tracker=tracker,
+                             cleanup=cleanup)
         trainer = Trainer(roles, _step_settings(recipe, pools["actor"].world_size))
 
         def run_validation() -> dict[str, float]:
-            return validate(data.val_batches(), generate=fleet.generate, reward_fn=data.reward_fn,
+            return validate(data.val_batches(), generate=roles.rollout.generate, reward_fn=data.reward_fn,
                             temperature=recipe.rollout.val_temperature)
 
-        val_every = recipe.trainer.val_every
+        val_every, total = recipe.trainer.val_every, recipe.trainer.total_steps
         if val_every and recipe.trainer.val_before_train:
             tracker.log(0, run_validation())
-        for step in range(recipe.trainer.total_steps):
+        for step in range(total):
             metrics = trainer.step(step, Batch.from_dict(next(data.train_batches)))
-            if val_every and ((step + 1) % val_every == 0 or step + 1 == recipe.trainer.total_steps):
+            if val_every and ((step + 1) % val_every == 0 or step + 1 == total):
                 metrics.update(run_validation())
             metrics["train/epoch"] = data.train_batches.epoch
             tracker.log(step + 1, metrics)
-    finally:
-        tracker.close()
-        if fleet is not None:
-            fleet.shutdown()
-        if not ray_address:
-            ray.shutdown()
     return run_dir
 
 

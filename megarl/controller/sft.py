@@ -39,6 +39,6 @@ def run_sft_warmup(actor: PolicyRole, data, recipe, tracker) -> None:
     for step in range(warmup.steps):
         batch = sft_batch(Batch.from_dict(next(loader)), data.tokenizer,
                           max_response_length=recipe.data.max_response_length)
-        metrics = actor.sft(batch, micro_batch_size=recipe.actor.ppo_micro_batch_size)
+        metrics = actor.sft(batch, micro_batch_size=recipe.actor.ppo_micro_batch_size, lr=warmup.lr)
         if (step + 1) % max(1, warmup.steps // 5) == 0 or step + 1 == warmup.steps:
             tracker.message(f"sft warm-up {step + 1}/{warmup.steps}: loss {metrics.get('sft/loss', float('nan')):.4f}")

@@ -1,0 +1,104 @@
+"""Process-group set-up for one engine rank: torch.distributed + megatron parallel state.
+
+Each engine rank (a `torch.multiprocessing.spawn` child in tests, a Ray actor in the
+controller) calls `init_distributed` once before building a model and
+`destroy_distributed` before exiting. On a CPU-only machine it installs the CPU
+compatibility layer first and uses gloo; with CUDA it pins the device and uses NCCL.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from megarl.engines import cpu_compat
+
+
+def init_distributed(
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    ep: int = 1,
+    backend: str | None = None,
+    timeout_s: int = 600,
+    seed: int = 1234,
+    local_rank: int | None = None,
+) -> None:
+    """Join the process group and initialise megatron's TP/PP/DP groups and RNG tracker.
+
+    `vpp` is the number of virtual pipeline chunks per PP rank (None or 1 = no VPP);
+    `seed` seeds megatron's model-parallel RNG tracker (dropout streams), not weights.
+    `local_rank` picks the GPU (default: rank modulo the visible device count).
+    """
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp}*{pp}")
+    if vpp is not None and vpp > 1 and pp == 1:
+        raise ValueError(f"vpp={vpp} needs pp > 1 (got pp={pp})")
+    cpu_compat.install()
+    # Importing megatron only after the compat layer is in place (its modules capture
+    # torch.cuda helpers at import time).
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if torch.cuda.is_available():
+        device_index = local_rank if local_rank is not None else rank % torch.cuda.device_count()
+        torch.cuda.set_device(device_index)
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        expert_model_parallel_size=ep,
+        distributed_timeout_minutes=max(1, timeout_s // 60),
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def parallel_layout() -> dict[str, int | bool]:
+    """Where this rank sits: global rank/world size, TP/PP/DP rank and size, and `is_output`.
+
+    `is_output` marks one rank per DP replica (TP rank 0 of the last pipeline stage)
+    whose results the controller collects; the engines return the same values on every
+    rank of the replica, so any choice is correct, this one is just canonical.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    return {
+        "rank": torch.distributed.get_rank(),
+        "world_size": torch.distributed.get_world_size(),
+        "tp_rank": tp_rank,
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp_rank": pp_rank,
+        "pp_size": pp_size,
+        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_size": ps.get_data_parallel_world_size(),
+        "is_output": tp_rank == 0 and pp_rank == pp_size - 1,
+    }

@@ -1,0 +1,168 @@
+"""TP / PP / VPP sharding of a full Megatron GPT state dict (pure functions, no megatron import).
+
+Which dim each parameter is split on across TP ranks, how the fused tensors split
+(QKV is packed per query group, so whole groups go to a rank; fc1 = [gate; up] gives
+each rank [gate_r; up_r]), where a global layer lives (PP rank, VPP chunk, local
+index), and `shard_for_rank` / `merge_shards` between the full layout of
+`megarl.models.layout` and the state dicts the per-rank model chunks hold.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import torch
+
+from megarl.models.layout import EMBEDDING, FINAL_NORM, OUTPUT
+
+Tensor = torch.Tensor
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dim a Megatron parameter is split on across TP ranks (None: replicated).
+
+    Column-parallel (output dim 0): linear_qkv (weight and bias), linear_fc1, the word
+    embeddings and the output layer (vocab rows). Row-parallel (input dim 1):
+    linear_proj, linear_fc2. Norms (incl. the per-head q/k norms) are replicated.
+    """
+    if name in (EMBEDDING, OUTPUT) or name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def shard_tensor(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
+    """This TP rank's slice of one full Megatron tensor.
+
+    QKV needs no special case: it is packed group-major, so a contiguous dim-0 chunk is
+    whole query groups. fc1 = [gate; up] must give each rank [gate_r; up_r].
+    """
+    dim = tp_split_dim(name)
+    if dim is None or tp_size == 1:
+        return full.clone()
+    if full.shape[dim] % tp_size:
+        raise ValueError(f"{name}: dim {dim} of size {full.shape[dim]} is not divisible by tp_size={tp_size}")
+    if name.endswith("linear_fc1.weight"):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]])
+    return full.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+
+def merge_tensor(name: str, shards: list[Tensor]) -> Tensor:
+    """Inverse of `shard_tensor`: the full tensor from all TP ranks' slices (in rank order)."""
+    dim = tp_split_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0].clone()
+    if name.endswith("linear_fc1.weight"):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(shards, dim=dim)
+
+
+def layers_per_chunk(num_layers: int, pp_size: int, vpp_size: int = 1) -> int:
+    if num_layers % (pp_size * vpp_size):
+        raise ValueError(f"num_layers={num_layers} is not divisible by pp_size*vpp_size={pp_size}*{vpp_size}")
+    return num_layers // (pp_size * vpp_size)
+
+
+def global_layer_index(
+    local_index: int, *, num_layers: int, pp_rank: int, pp_size: int, vpp_rank: int = 0, vpp_size: int = 1
+) -> int:
+    """Global layer of local layer `local_index` in VPP chunk `vpp_rank` of PP rank `pp_rank`.
+
+    Megatron's interleaved order: chunk v of rank p holds layers
+    [(v * pp_size + p) * L, (v * pp_size + p + 1) * L) with L = num_layers / (pp * vpp).
+    """
+    per_chunk = layers_per_chunk(num_layers, pp_size, vpp_size)
+    return (vpp_rank * pp_size + pp_rank) * per_chunk + local_index
+
+
+def stage_roles(pp_rank: int, pp_size: int, vpp_rank: int = 0, vpp_size: int = 1) -> tuple[bool, bool]:
+    """(pre_process, post_process): does this model chunk hold the embedding / the output layer."""
+    first = pp_rank == 0 and vpp_rank == 0
+    last = pp_rank == pp_size - 1 and vpp_rank == vpp_size - 1
+    return first, last
+
+
+def shard_for_rank(
+    full_sd: Mapping[str, Tensor],
+    *,
+    num_layers: int,
+    tie_word_embeddings: bool,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    vpp_size: int = 1,
+) -> list[dict[str, Tensor]]:
+    """The state dicts (one per VPP chunk) a (tp_rank, pp_rank) model holds, local layer names.
+
+    With tied embeddings and PP > 1 the last stage holds its own copy of the embedding
+    as `output_layer.weight` (Megatron keeps the two in sync by an all-reduce of grads).
+    """
+    per_chunk = layers_per_chunk(num_layers, pp_size, vpp_size)
+    chunks = []
+    for vpp_rank in range(vpp_size):
+        first, last = stage_roles(pp_rank, pp_size, vpp_rank, vpp_size)
+        chunk: dict[str, Tensor] = {}
+        if first:
+            chunk[EMBEDDING] = shard_tensor(EMBEDDING, full_sd[EMBEDDING], tp_rank, tp_size)
+        for local in range(per_chunk):
+            layer = global_layer_index(
+                local, num_layers=num_layers, pp_rank=pp_rank, pp_size=pp_size, vpp_rank=vpp_rank, vpp_size=vpp_size
+            )
+            prefix = f"decoder.layers.{layer}."
+            for name, tensor in full_sd.items():
+                if name.startswith(prefix):
+                    local_name = f"decoder.layers.{local}.{name[len(prefix) :]}"
+                    chunk[local_name] = shard_tensor(name, tensor, tp_rank, tp_size)
+        if last:
+            chunk[FINAL_NORM] = full_sd[FINAL_NORM].clone()
+            if not tie_word_embeddings:
+                chunk[OUTPUT] = shard_tensor(OUTPUT, full_sd[OUTPUT], tp_rank, tp_size)
+            elif not first:
+                chunk[OUTPUT] = shard_tensor(EMBEDDING, full_sd[EMBEDDING], tp_rank, tp_size)
+        chunks.append(chunk)
+    return chunks
+
+
+def merge_shards(
+    shards: Mapping[tuple[int, int, int], Mapping[str, Tensor]],
+    *,
+    num_layers: int,
+    tie_word_embeddings: bool,
+    tp_size: int,
+    pp_size: int,
+    vpp_size: int = 1,
+) -> dict[str, Tensor]:
+    """Inverse of `shard_for_rank`: `shards[(tp_rank, pp_rank, vpp_rank)]` -> the full Megatron state dict.
+
+    The last stage's tied `output_layer.weight` copy is dropped (it equals the embedding).
+    """
+    by_name: dict[str, list[Tensor | None]] = {}
+    for (tp_rank, pp_rank, vpp_rank), chunk in shards.items():
+        first, last = stage_roles(pp_rank, pp_size, vpp_rank, vpp_size)
+        for name, tensor in chunk.items():
+            if name == OUTPUT and tie_word_embeddings and last and not first:
+                continue
+            match = _LAYER_RE.match(name)
+            if match:
+                layer = global_layer_index(
+                    int(match.group(1)),
+                    num_layers=num_layers,
+                    pp_rank=pp_rank,
+                    pp_size=pp_size,
+                    vpp_rank=vpp_rank,
+                    vpp_size=vpp_size,
+                )
+                name = f"decoder.layers.{layer}.{match.group(2)}"
+            by_name.setdefault(name, [None] * tp_size)[tp_rank] = tensor
+    missing = [
+        f"{name} (tp ranks {[r for r, t in enumerate(ts) if t is None]})" for name, ts in by_name.items() if None in ts
+    ]
+    if missing:
+        raise ValueError("merge_shards: missing TP shards for " + ", ".join(missing[:8]))
+    return {name: merge_tensor(name, tensors) for name, tensors in by_name.items()}

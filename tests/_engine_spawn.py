@@ -1,0 +1,66 @@
+"""Run an engine check in fresh spawned gloo processes and bring its result back to pytest.
+
+Megatron needs the CPU compatibility layer and process-global parallel state, so the
+engine tests keep it out of the pytest process: `run_spawned(target, ...)` starts one
+process per rank, each initialises torch.distributed + megatron, calls
+`target(rank=..., **kwargs)` and saves its return value; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(target, rank: int, world_size: int, port: int, layout: dict, kwargs: dict, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        from megarl.engines.distributed import destroy_distributed, init_distributed
+
+        init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, **layout)
+        result = target(rank=rank, **kwargs)
+        torch.save(result, Path(out_dir) / f"result{rank}.pt")
+        destroy_distributed()
+    except BaseException:
+        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def run_spawned(target, *, world_size: int = 1, layout: dict | None = None, timeout_s: float = 300, **kwargs) -> list:
+    """`target`'s return value on each rank (rank order). Raises with the child's traceback on failure."""
+    layout = layout or {"tp": 1, "pp": 1}
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="megarl-engine-test-") as out_dir:
+        procs = [
+            ctx.Process(target=_entry, args=(target, rank, world_size, port, layout, kwargs, out_dir))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout_s)
+        for proc in procs:  # only our own children, by handle
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        errors = sorted(Path(out_dir).glob("error*.txt"))
+        if errors:
+            raise AssertionError("engine process failed:\n" + "\n".join(e.read_text() for e in errors))
+        codes = [proc.exitcode for proc in procs]
+        if any(code != 0 for code in codes):
+            raise AssertionError(f"engine processes exited with {codes} (timeout {timeout_s}s?)")
+        return [torch.load(Path(out_dir) / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]

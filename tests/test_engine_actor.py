@@ -1,0 +1,255 @@
+"""PolicyEngine training paths (gloo, spawned ranks), checked against HF autograd and a single rank.
+
+One spawned rank builds a frozen reference, a zero-LR engine (to read gradients at
+fixed weights) and a real actor from the same HF checkpoint, and returns everything
+the first tests assert on. The independent reference is the HF model in this process:
+the PPO loss written out by hand, differentiated by torch autograd. The last test runs
+the same update at TP2xPP2, PP2xVPP2 and DP2 and compares it with one rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from _engine_spawn import run_spawned
+from _engine_workers import actor_outputs, layout_outputs
+
+pytestmark = pytest.mark.dist
+
+PROMPT, RESPONSE, ROWS = 5, 6, 6
+PPO = dict(
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=3.0,
+    loss_agg_mode="token-mean",
+    entropy_coeff=0.01,
+    use_kl_loss=True,
+    kl_loss_coef=0.1,
+    kl_loss_type="low_var_kl",
+    temperature=1.0,
+)
+METRICS = {
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/pg_clipfrac_lower",
+    "actor/entropy",
+    "actor/grad_norm",
+    "actor/lr",
+}
+
+
+def _hf_model():
+    config = Qwen2Config(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(5)
+    return Qwen2ForCausalLM(config)
+
+
+def _batch(model) -> dict:
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 200, (ROWS, PROMPT + RESPONSE), generator=gen)
+    mask = torch.ones_like(input_ids)
+    # Different prompt pads and response lengths: micro-batches hold unequal token counts.
+    for row, (left_pad, length) in enumerate([(0, 6), (2, 1), (4, 3), (1, 6), (0, 2), (3, 5)]):
+        mask[row, :left_pad] = 0
+        mask[row, PROMPT + length :] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    response_mask = mask[:, PROMPT:].clone()
+    with torch.no_grad():
+        log_probs = _response_log_probs(model, input_ids, mask, position_ids)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        # Off-policy enough that some ratios leave the clip range.
+        "old_log_probs": log_probs + 0.3 * torch.randn(log_probs.shape, generator=gen),
+        "advantages": torch.randn(ROWS, RESPONSE, generator=gen),
+        "ref_log_prob": log_probs + 0.2 * torch.randn(log_probs.shape, generator=gen),
+    }
+
+
+def _response_log_probs(model, input_ids, mask, position_ids, with_entropy=False):
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits[:, PROMPT - 1 : -1]
+    log_softmax = torch.log_softmax(logits.float(), -1)
+    log_probs = log_softmax.gather(-1, input_ids[:, PROMPT:].unsqueeze(-1)).squeeze(-1)
+    if with_entropy:
+        return log_probs, -(log_softmax.exp() * log_softmax).sum(-1)
+    return log_probs
+
+
+def _surrogate(log_probs, old, advantages, mask, low=0.2, high=0.28, dual=3.0):
+    """The clipped PPO objective written out per token, token-mean over the response mask."""
+    ratio = torch.exp(log_probs - old)
+    per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - low, 1 + high))
+    per_token = torch.where(advantages < 0, torch.minimum(per_token, -advantages * dual), per_token)
+    return (per_token * mask).sum() / mask.sum()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = _hf_model()
+    path = tmp_path_factory.mktemp("hf") / "qwen2"
+    model.save_pretrained(path)
+    batch = _batch(model)
+    sft_mask = batch["attention_mask"].clone()
+    sft_mask[:, :PROMPT] = 0
+    sft_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")} | {"loss_mask": sft_mask}
+    other = {name: torch.randn_like(t) for name, t in model.state_dict().items() if name != "lm_head.weight"}
+    (out,) = run_spawned(
+        actor_outputs, checkpoint=str(path), batch=batch, ppo=PPO, sft_batch=sft_batch, other_weights=other
+    )
+    return model, batch, sft_batch, other, out
+
+
+def test_gradient_matches_hf_autograd_and_ignores_micro_batch_split(setup):
+    model, batch, _, _, out = setup
+    mask = batch["response_mask"].float()
+    log_probs, entropy = _response_log_probs(
+        model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], with_entropy=True
+    )
+    pg = _surrogate(log_probs, batch["old_log_probs"], batch["advantages"], mask)
+    log_ratio = batch["ref_log_prob"] - log_probs
+    k3 = (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10)
+    token_mean = lambda x: (x * mask).sum() / mask.sum()  # noqa: E731
+    loss = pg - 0.01 * token_mean(entropy) + 0.1 * token_mean(k3)
+    model.zero_grad()
+    loss.backward()
+    expected = {name: p.grad for name, p in model.named_parameters()}
+
+    grads = out["grads_1mb"]
+    assert set(grads) == set(expected)
+    scale = max(g.abs().max() for g in expected.values())
+    for name, grad in grads.items():
+        assert torch.allclose(grad, expected[name], atol=1e-5 * scale, rtol=1e-4), name
+    # Same mini-batch in 2 micro-batches, and in 4 + 2 (padded to 4 + 4): same gradient.
+    for label in ("grads_2mb", "grads_uneven"):
+        for name, grad in out[label].items():
+            assert torch.allclose(grad, grads[name], atol=1e-6 * scale, rtol=1e-5), (label, name)
+    norms = [out[label + "_metrics"]["actor/grad_norm"] for label in ("grads_1mb", "grads_2mb", "grads_uneven")]
+    reference_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in expected.values())).item()
+    assert norms == pytest.approx([reference_norm] * 3, rel=1e-4)
+    metrics = out["grads_1mb_metrics"]
+    assert metrics["actor/pg_loss"] == pytest.approx(pg.item(), abs=1e-5)
+    assert metrics["actor/kl_loss"] == pytest.approx(token_mean(k3).item(), abs=1e-5)
+    assert metrics["actor/lr"] == 0.0
+
+
+def test_update_changes_weights_and_reduces_the_surrogate(setup):
+    _, batch, _, _, out = setup
+    metrics = out["update_metrics"]
+    assert set(metrics) == METRICS
+    mask = batch["response_mask"].float()
+    # Fresh old log-probs: ratio 1, nothing clipped, the loss is -mean(A).
+    assert metrics["actor/pg_loss"] == pytest.approx(
+        -(batch["advantages"] * mask).sum().item() / mask.sum().item(), abs=1e-5
+    )
+    assert metrics["actor/pg_clipfrac"] == 0.0 and abs(metrics["actor/ppo_kl"]) < 1e-6
+    assert metrics["actor/entropy"] == pytest.approx(
+        ((out["entropy_before"] * mask).sum() / mask.sum()).item(), abs=1e-5
+    )
+    assert metrics["actor/lr"] == pytest.approx(1e-3) and metrics["actor/grad_norm"] > 0
+    changed = [name for name, w in out["weights_before"].items() if not torch.equal(w, out["weights_after"][name])]
+    assert len(changed) == len(out["weights_before"])
+    before = _surrogate(out["lp_before"], out["lp_before"], batch["advantages"], mask)
+    after = _surrogate(out["lp_after"], out["lp_before"], batch["advantages"], mask)
+    assert after < before - 1e-3
+
+
+def test_sft_step_reduces_the_loss_and_starts_from_the_hf_nll(setup):
+    model, _, sft_batch, _, out = setup
+    logits = model(
+        input_ids=sft_batch["input_ids"],
+        attention_mask=sft_batch["attention_mask"],
+        position_ids=sft_batch["position_ids"],
+    ).logits[:, :-1]
+    targets_mask = sft_batch["loss_mask"][:, 1:].float()
+    nll = -torch.log_softmax(logits, -1).gather(-1, sft_batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    expected = ((nll * targets_mask).sum() / targets_mask.sum()).item()
+    assert out["sft_loss_at_checkpoint"] == pytest.approx(expected, abs=1e-5)
+    losses = [m["sft/loss"] for m in out["sft_metrics"]]
+    assert out["sft_metrics"][0]["sft/tokens"] == targets_mask.sum().item()
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:]))
+    assert losses[-1] < losses[0] - 0.1
+    assert out["sft_metrics"][0]["sft/lr"] == 1e-2
+    assert out["lr_after_sft"] == pytest.approx(1e-3)  # the RL schedule is untouched
+
+
+def test_hf_state_dict_round_trip_after_load(setup):
+    _, _, _, other, out = setup
+    assert set(out["reloaded"]) == set(other)
+    for name, tensor in other.items():
+        assert torch.equal(out["reloaded"][name], tensor), name
+
+
+def test_reference_never_changes(setup):
+    model, _, _, _, out = setup
+    assert out["ref_requires_grad"] is False
+    assert torch.equal(out["ref_lp_before"], out["ref_lp_after"])
+    for name, tensor in out["ref_weights_after"].items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+    assert "trainable=False" in out["ref_update_error"]
+
+
+LAYOUTS = {
+    "tp2-pp2": (4, dict(tp=2, pp=2)),
+    "pp2-vpp2": (2, dict(tp=1, pp=2, vpp=2)),
+    "dp2": (2, dict(tp=1, pp=1)),  # each DP rank gets half the rows
+}
+
+
+@pytest.fixture(scope="module")
+def layout_base():
+    hf_config = {
+        "model_type": "qwen2",
+        "vocab_size": 200,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+    }
+    batch = _batch(_hf_model())
+    ppo = {**PPO, "temperature": 0.8}
+    (base,) = run_spawned(layout_outputs, hf_config=hf_config, batch=batch, ppo=ppo)
+    return hf_config, batch, ppo, base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_parallel_layouts_agree_with_a_single_rank(layout_base, layout):
+    hf_config, batch, ppo, base = layout_base
+    world_size, parallel = LAYOUTS[layout]
+    ranks = run_spawned(
+        layout_outputs, world_size=world_size, layout=parallel, hf_config=hf_config, batch=batch, ppo=ppo
+    )
+    by_dp = {}
+    for out in ranks:  # every rank of a DP replica returns the same values
+        by_dp.setdefault(out["dp_rank"], out)
+        assert torch.equal(out["log_probs"], by_dp[out["dp_rank"]]["log_probs"])
+        assert out["metrics"] == by_dp[out["dp_rank"]]["metrics"]
+        for name, weight in base["weights"].items():
+            assert torch.equal(out["weights"][name], weight), name  # same seed -> same model at any layout
+    log_probs = torch.cat([by_dp[r]["log_probs"] for r in sorted(by_dp)])
+    entropy = torch.cat([by_dp[r]["entropy"] for r in sorted(by_dp)])
+    assert torch.allclose(log_probs, base["log_probs"], atol=1e-5, rtol=0)
+    assert torch.allclose(entropy, base["entropy"], atol=1e-5, rtol=0)
+    scale = max(g.abs().max() for g in base["grads"].values())
+    for out in ranks:
+        for name, grad in base["grads"].items():
+            assert torch.allclose(out["grads"][name], grad, atol=1e-5 * scale, rtol=1e-4), (layout, name)
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm"):
+            assert out["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), key

@@ -1,0 +1,183 @@
+"""HF <-> Megatron layout maps and TP/PP/VPP sharding: exact round trips, hand-checked packing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from megarl.errors import InputError
+from megarl.models import (
+    arch_from_hf,
+    global_layer_index,
+    hf_param_shapes,
+    hf_to_megatron,
+    megatron_to_hf,
+    merge_shards,
+    padded_vocab_size,
+    random_hf_state_dict,
+    shard_for_rank,
+    transformer_kwargs,
+)
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=16)),
+}
+
+
+def _hf_model(family: str, **overrides):
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = config_cls(**{**TINY, **extra, **overrides})
+    torch.manual_seed(0)
+    model = model_cls(config)
+    # Norms and biases start at 1/0 in HF; randomise them so a swapped tensor cannot hide.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.normal_()
+    return config.to_dict(), model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hf_megatron_round_trip_is_exact(family):
+    hf_config, model = _hf_model(family)
+    arch = arch_from_hf(hf_config)
+    hf_sd = model.state_dict()
+    assert set(hf_param_shapes(arch)) <= set(hf_sd)
+    meg = hf_to_megatron(hf_sd, arch, padded_vocab=padded_vocab_size(arch.vocab_size))
+    back = megatron_to_hf(meg, arch)
+    assert set(back) == set(hf_param_shapes(arch))
+    for name, tensor in back.items():
+        assert torch.equal(tensor, hf_sd[name]), name
+
+
+def test_family_features_land_in_the_megatron_names():
+    shapes = {}
+    for family in FAMILIES:
+        hf_config, model = _hf_model(family)
+        arch = arch_from_hf(hf_config)
+        shapes[family] = hf_to_megatron(model.state_dict(), arch, padded_vocab=384)
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in shapes["qwen2"]
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" not in shapes["llama"]
+    assert shapes["qwen3"]["decoder.layers.1.self_attention.q_layernorm.weight"].shape == (16,)
+    assert "decoder.layers.0.self_attention.q_layernorm.weight" not in shapes["qwen2"]
+    assert "output_layer.weight" not in shapes["qwen2"]  # tied
+    assert shapes["llama"]["output_layer.weight"].shape == (384, 64)
+
+
+def test_qkv_packed_per_query_group_and_fc1_is_gate_then_up():
+    hf_config, model = _hf_model("qwen2")
+    arch = arch_from_hf(hf_config)
+    hf_sd = model.state_dict()
+    meg = hf_to_megatron(hf_sd, arch, padded_vocab=384)
+    d, hpg = 16, 2  # head_dim = 64 / 4; 4 heads in 2 groups
+    attn = "model.layers.1.self_attn."
+    for param in ("weight", "bias"):
+        q, k, v = (hf_sd[f"{attn}{p}_proj.{param}"] for p in "qkv")
+        packed = meg[f"decoder.layers.1.self_attention.linear_qkv.{param}"]
+        rows = []
+        for g in range(2):
+            rows += [q[(g * hpg + j) * d : (g * hpg + j + 1) * d] for j in range(hpg)]
+            rows += [k[g * d : (g + 1) * d], v[g * d : (g + 1) * d]]
+        assert torch.equal(packed, torch.cat(rows))
+    fc1 = meg["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1[:96], hf_sd["model.layers.0.mlp.gate_proj.weight"])
+    assert torch.equal(fc1[96:], hf_sd["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_vocab_padding_is_zero_and_dropped_on_export():
+    assert padded_vocab_size(300) == 384
+    assert padded_vocab_size(300, tp_size=2) == 512
+    assert padded_vocab_size(512, tp_size=2) == 512
+    hf_config, model = _hf_model("llama")
+    arch = arch_from_hf(hf_config)
+    meg = hf_to_megatron(model.state_dict(), arch, padded_vocab=512)
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert meg[name].shape == (512, 64)
+        assert torch.count_nonzero(meg[name][300:]) == 0
+    back = megatron_to_hf(meg, arch)
+    assert back["model.embed_tokens.weight"].shape == (300, 64)
+    assert back["lm_head.weight"].shape == (300, 64)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_shard_merge_round_trip_tp2_pp2_vpp2(tied):
+    arch = arch_from_hf({"model_type": "qwen2", **TINY, "num_hidden_layers": 8, "tie_word_embeddings": tied})
+    full = hf_to_megatron(random_hf_state_dict(arch, seed=3), arch, padded_vocab=padded_vocab_size(300, tp_size=2))
+    layout = dict(num_layers=8, tie_word_embeddings=tied, tp_size=2, pp_size=2, vpp_size=2)
+    shards = {}
+    for tp_rank in range(2):
+        for pp_rank in range(2):
+            chunks = shard_for_rank(full, tp_rank=tp_rank, pp_rank=pp_rank, **layout)
+            assert len(chunks) == 2
+            for vpp_rank, chunk in enumerate(chunks):
+                shards[(tp_rank, pp_rank, vpp_rank)] = chunk
+    merged = merge_shards(shards, **layout)
+    assert set(merged) == set(full)
+    for name, tensor in full.items():
+        assert torch.equal(merged[name], tensor), name
+
+    # Interleaved placement: chunk 1 of PP rank 0 holds global layers 4 and 5.
+    assert global_layer_index(0, num_layers=8, pp_rank=0, pp_size=2, vpp_rank=1, vpp_size=2) == 4
+    chunk = shards[(1, 0, 1)]
+    assert sorted({n.split(".")[2] for n in chunk if n.startswith("decoder.layers.")}) == ["0", "1"]
+    # TP rank 1 gets the second query group whole, and [gate_1; up_1] for fc1.
+    qkv_full = full["decoder.layers.5.self_attention.linear_qkv.weight"]
+    assert torch.equal(chunk["decoder.layers.1.self_attention.linear_qkv.weight"], qkv_full[64:])
+    fc1_full = full["decoder.layers.5.mlp.linear_fc1.weight"]
+    expected_fc1 = torch.cat([fc1_full[48:96], fc1_full[144:192]])
+    assert torch.equal(chunk["decoder.layers.1.mlp.linear_fc1.weight"], expected_fc1)
+    proj_full = full["decoder.layers.5.self_attention.linear_proj.weight"]
+    assert torch.equal(chunk["decoder.layers.1.self_attention.linear_proj.weight"], proj_full[:, 32:])
+    # Embedding only on the first chunk, final norm + output on the last one.
+    assert "embedding.word_embeddings.weight" in shards[(0, 0, 0)]
+    assert "embedding.word_embeddings.weight" not in shards[(0, 1, 0)]
+    last = shards[(1, 1, 1)]
+    assert "decoder.final_layernorm.weight" in last
+    source = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+    assert torch.equal(last["output_layer.weight"], full[source][256:])
+
+
+def test_transformer_kwargs_and_rope_variants():
+    kwargs = transformer_kwargs(
+        {"model_type": "qwen3", **TINY, "head_dim": 16, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
+    )
+    assert kwargs["kv_channels"] == 16 and kwargs["qk_layernorm"] and not kwargs["add_qkv_bias"]
+    assert kwargs["num_query_groups"] == 2 and kwargs["rotary_base"] == 5e5 and kwargs["rope_scaling_factor"] is None
+    old_style = transformer_kwargs({"model_type": "qwen2", **TINY, "rope_theta": 1e6})
+    assert old_style["rotary_base"] == 1e6 and old_style["add_qkv_bias"] and old_style["kv_channels"] == 16
+    llama3 = transformer_kwargs(
+        {
+            "model_type": "llama",
+            **TINY,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
+    assert llama3["rope_scaling_factor"] == 32.0
+
+
+def test_bad_configs_raise_input_error_naming_the_value():
+    with pytest.raises(InputError, match="model_type='mistral'.*llama, qwen2, qwen3"):
+        arch_from_hf({"model_type": "mistral", **TINY})
+    with pytest.raises(InputError) as info:
+        arch_from_hf({"model_type": "llama", "vocab_size": 10, "hidden_act": "gelu"})
+    text = str(info.value)
+    assert "'num_hidden_layers'" in text and "'hidden_size'" in text
+    with pytest.raises(InputError, match="hidden_act='gelu'"):
+        arch_from_hf({"model_type": "llama", **TINY, "hidden_act": "gelu"})
