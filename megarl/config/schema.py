@@ -166,7 +166,14 @@ class TrainerConfig(Section):
 
 
 class SftWarmupConfig(Section):
-    steps: NonNegativeInt = Field(0, description="supervised steps on reference solutions before RL; 0 = none")
+    steps: NonNegativeInt = Field(
+        0, description="most supervised steps on reference solutions before RL; 0 = none"
+    )
+    stop_loss: PositiveFloat | None = Field(
+        None,
+        description="end the warm-up early once the mean loss of the last 10 steps falls below this "
+        "(a stop point by competence, not by step count)",
+    )
     lr: PositiveFloat = Field(1e-3, description="learning rate of the warm-up")
     batch_size: PositiveInt = Field(64, description="samples per warm-up step")
 

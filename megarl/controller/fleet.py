@@ -1,84 +1,58 @@
-"""The rollout role: the engine servers of a run and generation of a Batch through them.
+"""The controller's side of the rollout fleet: a `megarl.rollout.fleet.RolloutFleet` built from a recipe.
 
-The spine starts megarl's CPU engine (SGLang's HTTP protocol) as local
-subprocesses; the SGLang launcher plugs in behind the same `urls`. Generation
-sends one request per row of the (already `rollout.n`-repeated) generation
-batch, with a per-row seed derived from the step so runs are reproducible.
+One server per `rollout.tp` slots of the rollout pool, each owned by a Ray
+actor on its first slot with the pool's per-role share of the bundle.
+Generation, routing, restarts and weight versions live in `megarl.rollout.fleet`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+from megarl.config import Recipe
+from megarl.controller.placement import ResourcePool
+from megarl.rollout.fleet import RolloutFleet
+from megarl.rollout.server_host import ServerSpec
+
+__all__ = ["RolloutFleet", "start_rollout_fleet"]
 
 
-from megarl.controller.phases import assemble_rollout, prompt_token_lists
-from megarl.protocol import Batch
-from megarl.rollout.client import RolloutClient, results_to_tensors
-from megarl.rollout.server import start_cpu_engine
-
-
-class RolloutFleet:
-    def __init__(
-        self,
-        *,
-        model_path: Path,
-        tokenizer_path: Path | None,
-        num_servers: int,
-        host: str,
-        api_key: str | None,
-        threads: int,
-        max_concurrency: int,
-        log_dir: Path,
-        max_response_length: int,
-        pad_token_id: int,
-        stop_token_ids: list[int],
-        seed: int,
-        top_p: float = 1.0,
-        top_k: int = -1,
-    ):
-        self.servers = [
-            start_cpu_engine(
-                model_path,
-                host=host,
-                api_key=api_key,
-                threads=threads,
-                tokenizer_path=tokenizer_path,
-                log_path=Path(log_dir) / f"rollout-{index}.log",
-            )
-            for index in range(num_servers)
-        ]
-        self.urls = [server.url for server in self.servers]
-        self.client = RolloutClient(self.urls, api_key=api_key, max_concurrency=max_concurrency)
-        self.max_response_length = max_response_length
-        self.pad_token_id = pad_token_id
-        self.stop_token_ids = stop_token_ids
-        self.seed = seed
-        self.top_p, self.top_k = top_p, top_k
-
-    def generate(self, gen_batch: Batch, *, temperature: float, seed: int) -> Batch:
-        """Responses, full sequences and engine log-probs for every row of `gen_batch`."""
-        results = self.client.generate(
-            prompt_token_lists(gen_batch),
-            max_new_tokens=self.max_response_length,
-            temperature=temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            n=1,
-            stop_token_ids=self.stop_token_ids,
-            seed=self.seed * 100_003 + seed,
-            return_logprob=True,
-        )
-        tensors = results_to_tensors(results, pad_id=self.pad_token_id, max_response_length=self.max_response_length)
-        return assemble_rollout(
-            gen_batch,
-            responses=tensors["responses"],
-            response_lengths=tensors["response_lengths"],
-            rollout_log_probs=tensors["rollout_log_probs"],
-        )
-
-    def shutdown(self) -> None:
-        self.client.close()
-        for server in self.servers:
-            server.stop()
-
-
+def start_rollout_fleet(
+    recipe: Recipe, *, pool: ResourcePool, weights: Path, tokenizer: Any, api_key: str, log_dir: Path
+) -> RolloutFleet:
+    """Start `rollout.num_servers` servers on `pool` with the run's initial `weights` and API key."""
+    rollout = recipe.rollout
+    spec = ServerSpec(
+        backend=rollout.backend,
+        model_path=str(weights),
+        tokenizer_path=str(weights),
+        log_dir=str(log_dir),
+        api_key=api_key,
+        bind=rollout.host,
+        port=rollout.port,
+        threads=rollout.engine_threads,
+        tp=rollout.tp,
+        mem_fraction=rollout.mem_fraction,
+        sglang_args=dict(rollout.sglang),
+    )
+    pool.reserve()
+    share = pool.share()
+    actor_options = {"num_cpus": share, **({"num_gpus": share} if pool.device == "cuda" else {})}
+    return RolloutFleet(
+        spec,
+        num_servers=rollout.num_servers,
+        max_response_length=recipe.data.max_response_length,
+        pad_token_id=tokenizer.pad_token_id,
+        stop_token_ids=[tokenizer.eos_token_id],
+        seed=recipe.seed,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_concurrency=rollout.max_concurrency,
+        # `rollout.routing` / `rollout.router_policy` are requested recipe fields; client routing until they exist.
+        routing=getattr(rollout, "routing", "client"),
+        router_policy=getattr(rollout, "router_policy", "cache_aware"),
+        use_ray=True,
+        slots=[pool.slot(rank) for rank in range(rollout.num_servers * rollout.tp)],
+        actor_options=actor_options,
+    )

@@ -7,14 +7,19 @@ phase table in DESIGN.md §1; the step loop in `trainer.py` calls them in order.
 from __future__ import annotations
 
 import uuid
-from typing import Sequence
 
 import numpy as np
-import torch
 
 from megarl.algorithms import advantages as adv
 from megarl.algorithms.kl import apply_kl_in_reward
 from megarl.protocol import Batch
+# The rollout-side helpers are part of this module's API (the step loop and the SFT warm-up use them).
+from megarl.rollout.batching import assemble_rollout, prompt_token_lists
+
+__all__ = [
+    "GENERATION_KEYS", "add_response_mask", "add_uids", "apply_kl", "assemble_rollout", "compute_advantage",
+    "prompt_token_lists", "split_generation_batch",
+]
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -28,39 +33,6 @@ def add_uids(batch: Batch) -> Batch:
 def split_generation_batch(batch: Batch) -> Batch:
     """Pop only what generation needs off `batch`; the rest stays for the union after generation."""
     return batch.pop(list(GENERATION_KEYS))
-
-
-def prompt_token_lists(gen_batch: Batch) -> list[list[int]]:
-    """The unpadded prompt ids of each row (left padding removed by the mask)."""
-    ids, mask = gen_batch["input_ids"], gen_batch["attention_mask"].bool()
-    return [row[keep].tolist() for row, keep in zip(ids, mask)]
-
-
-def assemble_rollout(
-    gen_batch: Batch,
-    *,
-    responses: torch.Tensor,
-    response_lengths: torch.Tensor,
-    rollout_log_probs: torch.Tensor,
-) -> Batch:
-    """prompt [B, P] + response [B, R] -> full sequences with masks and positions continuing the prompt's."""
-    prompts, prompt_mask = gen_batch["input_ids"], gen_batch["attention_mask"]
-    width = responses.shape[1]
-    steps = torch.arange(width).unsqueeze(0)
-    response_mask = (steps < response_lengths.unsqueeze(1)).to(prompt_mask.dtype)
-    last_position = gen_batch["position_ids"][:, -1:]
-    response_positions = last_position + 1 + steps
-    return Batch.from_dict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], dim=1),
-            "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
-            "position_ids": torch.cat([gen_batch["position_ids"], response_positions], dim=1),
-            "rollout_log_probs": rollout_log_probs * response_mask,
-        },
-        meta=dict(gen_batch.meta),
-    )
 
 
 def add_response_mask(batch: Batch) -> Batch:

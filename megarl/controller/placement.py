@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from megarl.config import Recipe
 from megarl.config.layout import active_roles, role_pool
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: roles sharing a pool share the object
 class ResourcePool:
     """`nodes * per_node` slots; `device` is "cuda" (a GPU per slot) or "cpu" (a process per slot)."""
 

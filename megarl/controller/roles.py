@@ -74,7 +74,7 @@ class Roles:
     """Everything one step needs, built once per run."""
 
     actor: PolicyRole
-    rollout: Any  # megarl.controller.fleet.RolloutFleet
+    rollout: Any  # megarl.rollout.fleet.RolloutFleet
     reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
     reference: PolicyRole | None = None
     critic: Any = None  # the critic role arrives with the GAE issue
@@ -95,4 +95,5 @@ class Roles:
         return metrics
 
     def sync_weights(self, *, version: int) -> dict[str, float]:
-        return self.actor.push_weights(urls=self.rollout.urls, api_key=self.api_key, version=version)
+        # Through the fleet: it records the version and re-syncs servers it restarts (weight source set in run.py).
+        return self.rollout.sync_weights(version=version)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import secrets
 import tempfile
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 
 from megarl.config import Recipe, dump_recipe
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.engine_worker import MegatronWorker
-from megarl.controller.fleet import RolloutFleet
+from megarl.controller.fleet import RolloutFleet, start_rollout_fleet
 from megarl.controller.placement import plan_pools
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
 from megarl.controller.roles import PolicyRole, Roles
@@ -82,23 +83,9 @@ def _ppo_kwargs(recipe: Recipe, dp_size: int) -> dict:
     )
 
 
-def _start_fleet(recipe: Recipe, *, weights: Path, data, api_key: str, run_dir: Path) -> RolloutFleet:
-    return RolloutFleet(
-        model_path=weights,
-        tokenizer_path=weights,
-        num_servers=recipe.rollout.num_servers,
-        host=recipe.rollout.host,
-        api_key=api_key,
-        threads=recipe.rollout.engine_threads,
-        max_concurrency=recipe.rollout.max_concurrency,
-        log_dir=run_dir / "logs",
-        max_response_length=recipe.data.max_response_length,
-        pad_token_id=data.tokenizer.pad_token_id,
-        stop_token_ids=[data.tokenizer.eos_token_id],
-        seed=recipe.seed,
-        top_p=recipe.rollout.top_p,
-        top_k=recipe.rollout.top_k,
-    )
+def _start_fleet(recipe: Recipe, *, pool, weights: Path, data, api_key: str, run_dir: Path) -> RolloutFleet:
+    return start_rollout_fleet(recipe, pool=pool, weights=weights, tokenizer=data.tokenizer, api_key=api_key,
+                               log_dir=run_dir / "logs")
 
 
 def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
@@ -120,8 +107,10 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
     if recipe.sft_warmup.steps > 0:
         run_sft_warmup(actor, data, recipe, tracker)
     api_key = secrets.token_hex(16)
-    fleet = _start_fleet(recipe, weights=weights, data=data, api_key=api_key, run_dir=run_dir)
+    fleet = _start_fleet(recipe, pool=pools["rollout"], weights=weights, data=data, api_key=api_key, run_dir=run_dir)
     cleanup.callback(fleet.shutdown)
+    # The fleet re-pushes the actor's current weights to a server it had to restart.
+    fleet.set_weight_source(partial(actor.push_weights, api_key=api_key))
     roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference,
                   kl_ctrl=data.kl_ctrl, api_key=api_key)
     roles.sync_weights(version=0)

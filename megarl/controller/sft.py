@@ -6,6 +6,9 @@ answer format so RL starts from a measurably imperfect but non-zero policy.
 
 from __future__ import annotations
 
+from collections import deque
+from statistics import mean
+
 import torch
 
 from megarl.controller.phases import assemble_rollout, split_generation_batch
@@ -31,14 +34,26 @@ def sft_batch(prompts: Batch, tokenizer, *, max_response_length: int) -> Batch:
     return full.select(["input_ids", "attention_mask", "position_ids", "loss_mask"])
 
 
-def run_sft_warmup(actor: PolicyRole, data, recipe, tracker) -> None:
+def run_sft_warmup(actor: PolicyRole, data, recipe, tracker) -> int:
+    """Warm up until `steps` or until the recent mean loss is below `stop_loss`; returns the steps run."""
     from megarl.data.dataset import PromptLoader
 
     warmup = recipe.sft_warmup
     loader = PromptLoader(data.train_dataset, warmup.batch_size, shuffle=True, seed=recipe.seed + 1)
-    for step in range(warmup.steps):
+    recent: deque[float] = deque(maxlen=10)
+    step = 0
+    while step < warmup.steps:
         batch = sft_batch(Batch.from_dict(next(loader)), data.tokenizer,
                           max_response_length=recipe.data.max_response_length)
         metrics = actor.sft(batch, micro_batch_size=recipe.actor.ppo_micro_batch_size, lr=warmup.lr)
-        if (step + 1) % max(1, warmup.steps // 5) == 0 or step + 1 == warmup.steps:
-            tracker.message(f"sft warm-up {step + 1}/{warmup.steps}: loss {metrics.get('sft/loss', float('nan')):.4f}")
+        recent.append(metrics["sft/loss"])
+        step += 1
+        reached = warmup.stop_loss is not None and len(recent) == recent.maxlen and mean(recent) < warmup.stop_loss
+        if step % 50 == 0 or reached or step == warmup.steps:
+            tracker.message(f"sft warm-up step {step}: loss {mean(recent):.4f}")
+        if reached:
+            break
+    # RL starts with fresh Adam moments: SFT momentum would otherwise keep moving the
+    # weights even on steps whose advantages are all zero.
+    actor.group.run("reset_optimizer_state")
+    return step

@@ -119,7 +119,7 @@ class RolloutClient:
         """
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
                        stop_token_ids=stop_token_ids, seed=seed, return_logprob=return_logprob, ignore_eos=ignore_eos)
-        return self._call(self._generate(prompts, **options))
+        return self.run(self._generate(prompts, **options))
 
     async def agenerate(self, prompts: list[list[int]], **options: Any) -> list[GenerationResult]:
         """`generate` for callers running their own event loop (same keyword arguments)."""
@@ -157,7 +157,7 @@ class RolloutClient:
             server = self._pick_server()
             try:
                 async with server.slots:
-                    reply = await self._request(server.url, "POST", "/generate", body)
+                    reply = await self.request(server.url, "POST", "/generate", body)
             finally:
                 server.assigned -= 1
             items = reply if isinstance(reply, list) else [reply]
@@ -192,32 +192,32 @@ class RolloutClient:
 
     def health(self) -> list[bool]:
         """Per server: does `/health` answer 200?"""
-        return self._call(self._health())
+        return self.run(self._health())
 
     def model_info(self) -> list[dict]:
-        return self._call(self._all("GET", "/model_info"))
+        return self.run(self._all("GET", "/model_info"))
 
     def flush_cache(self) -> None:
-        self._call(self._all("POST", "/flush_cache"))
+        self.run(self._all("POST", "/flush_cache"))
 
     def pause_generation(self, mode: str = "abort") -> None:
-        self._call(self._all("POST", "/pause_generation", {"mode": mode}))
+        self.run(self._all("POST", "/pause_generation", {"mode": mode}))
 
     def continue_generation(self) -> None:
-        self._call(self._all("POST", "/continue_generation", {}))
+        self.run(self._all("POST", "/continue_generation", {}))
 
     def begin_weight_update(self, selector: str = "all") -> None:
-        self._call(self._all("POST", "/begin_weight_update", {"selector": selector}))
+        self.run(self._all("POST", "/begin_weight_update", {"selector": selector}))
 
     def end_weight_update(self) -> None:
-        self._call(self._all("POST", "/end_weight_update", {}))
+        self.run(self._all("POST", "/end_weight_update", {}))
 
     def update_weight_version(self, new_version: str) -> None:
-        self._call(self._all("POST", "/update_weight_version", {"new_version": new_version}))
+        self.run(self._all("POST", "/update_weight_version", {"new_version": new_version}))
 
     def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> None:
         body = {"model_path": str(model_path), "weight_version": weight_version}
-        self._call(self._all("POST", "/update_weights_from_disk", body))
+        self.run(self._all("POST", "/update_weights_from_disk", body))
 
     def update_weights_from_tensor(
         self,
@@ -239,7 +239,7 @@ class RolloutClient:
             }
             for _ in self._servers
         ]
-        self._call(self._all("POST", "/update_weights_from_tensor", bodies))
+        self.run(self._all("POST", "/update_weights_from_tensor", bodies))
 
     # ---- plumbing ----------------------------------------------------------------------------
 
@@ -247,7 +247,7 @@ class RolloutClient:
         if self._loop.is_closed():
             return
         if self._session is not None:
-            self._call(self._session.close())
+            self.run(self._session.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
@@ -258,14 +258,15 @@ class RolloutClient:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run `coroutine` on the client's private loop and block for its result (the fleet's dispatcher runs here)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _all(self, method: str, endpoint: str, body: Any = None) -> list[Any]:
         """The same call on every server (a list `body` gives one body per server); raises naming each failure."""
         bodies = body if isinstance(body, list) else [body] * len(self._servers)
         replies = await asyncio.gather(
-            *(self._request(server.url, method, endpoint, item) for server, item in zip(self._servers, bodies)),
+            *(self.request(server.url, method, endpoint, item) for server, item in zip(self._servers, bodies)),
             return_exceptions=True,
         )
         errors = [reply for reply in replies if isinstance(reply, BaseException)]
@@ -293,7 +294,11 @@ class RolloutClient:
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers)
         return self._session
 
-    async def _request(self, url: str, method: str, endpoint: str, body: Any = None) -> Any:
+    async def request(self, url: str, method: str, endpoint: str, body: Any = None) -> Any:
+        """One HTTP call with the API key, on the client's loop: parsed JSON (or text, or None when empty).
+
+        Raises RolloutError with status None when the server cannot be reached, else with its HTTP status.
+        """
         try:
             async with self._ensure_session().request(method, f"{url}{endpoint}", json=body) as response:
                 text = await response.text()

@@ -1,10 +1,12 @@
-"""Launching CPU engine servers as subprocesses and stopping them by PID.
+"""Launching engine servers as subprocesses, waiting for them, and stopping them by PID.
 
 `start_cpu_engine` runs `python -m megarl.rollout.cpu_engine` in its own
 process group with its output in a log file, and returns once `/health`
 answers 200. A server that exits early or never becomes healthy raises
 `ServerStartError` carrying the tail of its log. Servers bind to 127.0.0.1
-unless told otherwise.
+unless told otherwise. The pieces (`cpu_engine_command`, `spawn_server`,
+`wait_healthy`) are also used by the fleet, whose servers may be SGLang
+processes owned by Ray actors.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 LOG_TAIL_CHARS = 4000
 
@@ -77,6 +80,43 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
+def cpu_engine_command(
+    model_path: str | Path,
+    *,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    threads: int = 1,
+    tokenizer_path: str | Path | None = None,
+    max_batch: int = 256,
+    weight_version: str | None = None,
+    seed: int | None = None,
+    log_level: str = "info",
+) -> list[str]:
+    """The argv that runs one CPU engine server."""
+    command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
+    command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
+    command += ["--log-level", log_level]
+    optional = {"--api-key": api_key, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
+                "--seed": seed}
+    for flag, value in optional.items():
+        if value is not None:
+            command += [flag, str(value)]
+    return command
+
+
+def spawn_server(command: list[str], *, url: str, log_path: str | Path, env: dict[str, str] | None = None,
+                 api_key: str | None = None) -> ServerHandle:
+    """Start `command` in its own session with stdout+stderr appended to `log_path`; does not wait."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
+    return ServerHandle(url=url, process=process, log_path=log_path, api_key=api_key)
+
+
 def start_cpu_engine(
     model_path: str | Path,
     *,
@@ -99,53 +139,50 @@ def start_cpu_engine(
         handle, name = tempfile.mkstemp(prefix=f"megarl-cpu-engine-{port}-", suffix=".log")
         os.close(handle)
         log_path = name
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
-    command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
-    command += ["--log-level", log_level]
-    optional = {"--api-key": api_key, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
-                "--seed": seed}
-    for flag, value in optional.items():
-        if value is not None:
-            command += [flag, str(value)]
-    process_env = {**os.environ, **(env or {})}
+    command = cpu_engine_command(model_path, host=host, port=port, api_key=api_key, threads=threads,
+                                 tokenizer_path=tokenizer_path, max_batch=max_batch, weight_version=weight_version,
+                                 seed=seed, log_level=log_level)
     # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
-    process_env["OMP_NUM_THREADS"] = str(threads)
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=process_env, start_new_session=True
-        )
-    server = ServerHandle(url=f"http://{host}:{port}", process=process, log_path=log_path, api_key=api_key)
+    process_env = {**(env or {}), "OMP_NUM_THREADS": str(threads)}
+    server = spawn_server(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key)
     try:
-        _wait_healthy(server, startup_timeout_s)
+        wait_healthy(server.url, exit_code=server.process.poll, log_tail=server.log_tail,
+                     timeout_s=startup_timeout_s, what=f"CPU engine (log {server.log_path})")
     except BaseException:
         server.stop()
         raise
     return server
 
 
-def _wait_healthy(server: ServerHandle, timeout_s: float) -> None:
+def wait_healthy(
+    url: str,
+    *,
+    exit_code: Callable[[], int | None],
+    log_tail: Callable[[], str],
+    timeout_s: float,
+    what: str = "server",
+    interval_s: float = 0.1,
+) -> None:
+    """Poll `url`/health until it answers 200; ServerStartError with the log tail if the process exits or time runs out.
+
+    `exit_code` and `log_tail` are callables so the process may live elsewhere (a Ray actor on another node).
+    """
     deadline = time.monotonic() + timeout_s
     while True:
-        code = server.process.poll()
+        code = exit_code()
         if code is not None:
             raise ServerStartError(
-                f"CPU engine at {server.url} exited with status {code} before becoming healthy; "
-                f"log {server.log_path}:\n{server.log_tail()}"
+                f"{what} at {url} exited with status {code} before becoming healthy; log tail:\n{log_tail()}"
             )
         try:
-            with urllib.request.urlopen(f"{server.url}/health", timeout=2) as response:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
         if time.monotonic() > deadline:
-            raise ServerStartError(
-                f"CPU engine at {server.url} not healthy after {timeout_s:.0f} s; "
-                f"log {server.log_path}:\n{server.log_tail()}"
-            )
-        time.sleep(0.1)
+            raise ServerStartError(f"{what} at {url} not healthy after {timeout_s:.0f} s; log tail:\n{log_tail()}")
+        time.sleep(interval_s)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -114,6 +114,8 @@ class GenerateBody(_Strict):
     routed_dp_rank: int | None = None
     received_time: float | None = None
     external_trace_header: dict[str, Any] | None = None
+    # sglang-router (0.3.2) adds `model` (null) and `return_bytes` (false) to every request it forwards
+    model: str | None = None
     # accepted only at their neutral value
     input_embeds: Any = None
     image_data: Any = None
@@ -129,12 +131,14 @@ class GenerateBody(_Strict):
     return_routed_experts: bool | None = False
     return_entropy: bool | None = False
     background: bool | None = False
+    return_bytes: bool | None = False
 
     _neutral_only: ClassVar[dict[str, Any]] = {
         **{name: [] for name in ("input_embeds", "image_data", "video_data", "audio_data", "modalities")},
         **{name: [] for name in ("lora_path", "lora_id", "custom_logit_processor", "token_ids_logprob")},
         "session_params": {},
-        **{name: False for name in ("return_hidden_states", "return_routed_experts", "return_entropy", "background")},
+        **{name: False for name in ("return_hidden_states", "return_routed_experts", "return_entropy", "background",
+                                    "return_bytes")},
     }
 
 
@@ -192,7 +196,7 @@ class UpdateWeightsFromDistributedBody(_Strict):
     dtypes: list[str]
     shapes: list[list[Annotated[int, Field(ge=0)]]]
     group_name: str = "weight_update_group"
-    load_format: Literal["direct"] | None = None
+    load_format: Literal["direct", "flattened_bucket"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None

@@ -1,0 +1,138 @@
+"""Sending a batch's prompt groups to the fleet and getting every row back exactly once, through failures.
+
+Each group (the rows that share a prompt) is one `/generate` request carrying
+one copy per row, all in flight together. A `Targets` object (the fleet) hands
+out a server (or the router) with a free in-flight slot and hears about
+failures. A request that fails because its target is unreachable or answers
+5xx is re-sent (the target may be dead: the fleet then restarts it and hands
+out others); samples that come back aborted are re-sent on their own. A 4xx
+answer is the request's fault and fails the call at once. Each row's result is
+stored once; the attempts per request are bounded.
+
+Every row has its own sampling seed derived from the call's seed and the row
+index (the client's formula), so a retried sample on another server is the
+same sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Protocol
+
+from megarl.rollout.client import SEED_MODULUS, SEED_STRIDE, RolloutError
+from megarl.rollout.results import GenerationResult, parse_output
+
+RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
+
+Request = Callable[[str, str, str, Any], Awaitable[Any]]
+
+
+class FleetError(RuntimeError):
+    """Generation cannot finish: every server is gone, or a request kept failing; names servers and causes."""
+
+
+class Target(Protocol):
+    url: str
+
+
+class Targets(Protocol):
+    async def acquire(self) -> Target:
+        """A target with a free in-flight slot (waits for one); raises FleetError when none can come back."""
+
+    def release(self, target: Target) -> None:
+        """Give back the slot taken by `acquire`."""
+
+    async def report_failure(self, target: Target, error: RolloutError) -> None:
+        """A request to `target` failed as unreachable/5xx: check it (and restart it if it is dead)."""
+
+
+def sample_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` (equal to RolloutClient's seed of prompt `row` with n=1)."""
+    return (seed * SEED_STRIDE + row) % SEED_MODULUS
+
+
+def group_body(prompt: list[int], rows: list[int], *, sampling: dict[str, Any], seed: int | None) -> dict[str, Any]:
+    """One `/generate` body for `rows` (all with `prompt`): a batch of copies, each with its row's seed."""
+    params = [dict(sampling) for _ in rows]
+    if seed is not None:
+        for item, row in zip(params, rows):
+            item["sampling_seed"] = sample_seed(seed, row)
+    if len(rows) == 1:
+        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": True}
+    return {"input_ids": [list(prompt)] * len(rows), "sampling_params": params, "return_logprob": True}
+
+
+def is_retryable(error: RolloutError) -> bool:
+    return error.status is None or error.status in RETRYABLE_STATUS
+
+
+async def generate_rows(
+    prompts: list[list[int]],
+    groups: list[list[int]],
+    *,
+    sampling: dict[str, Any],
+    seed: int | None,
+    targets: Targets,
+    request: Request,
+    max_attempts: int,
+) -> list[GenerationResult]:
+    """One result per prompt row, in row order; `groups` partition the rows into shared-prompt requests."""
+    results: list[GenerationResult | None] = [None] * len(prompts)
+
+    def store(row: int, result: GenerationResult) -> None:
+        if results[row] is not None:
+            raise RuntimeError(f"row {row} was generated twice")
+        results[row] = result
+
+    async def run_group(rows: list[int]) -> None:
+        pending, attempt = list(rows), 0
+        while pending:
+            attempt += 1
+            body = group_body(prompts[pending[0]], pending, sampling=sampling, seed=seed)
+            target = await targets.acquire()
+            try:
+                reply = await request(target.url, "POST", "/generate", body)
+            except RolloutError as error:
+                if not is_retryable(error):
+                    raise
+                if attempt >= max_attempts:
+                    raise FleetError(f"rows {pending[:8]}: /generate failed {attempt} times; last: {error}") from error
+                await targets.report_failure(target, error)
+                continue
+            finally:
+                targets.release(target)
+            outputs = _parse(reply, count=len(pending), url=target.url)
+            # An aborted sample (server paused or shutting down) is no sample: send it again.
+            aborted = [row for row, output in zip(pending, outputs) if output.finish_reason == "abort"]
+            for row, output in zip(pending, outputs):
+                if output.finish_reason != "abort":
+                    store(row, output)
+            if aborted and attempt >= max_attempts:
+                raise FleetError(f"rows {aborted[:8]} were aborted {attempt} times (last by {target.url})")
+            if aborted:
+                await asyncio.sleep(min(1.0, 0.05 * 2**attempt))
+            pending = aborted
+
+    tasks = [asyncio.ensure_future(run_group(rows)) for rows in groups]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        # One failure fails the call: stop sending the rest.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    missing = [row for row, result in enumerate(results) if result is None]
+    if missing:
+        raise RuntimeError(f"rows {missing[:8]} were never generated (groups do not cover the batch)")
+    return results  # type: ignore[return-value]
+
+
+def _parse(reply: Any, *, count: int, url: str) -> list[GenerationResult]:
+    items = reply if isinstance(reply, list) else [reply]
+    if len(items) != count:
+        raise RolloutError(url, "/generate", 200, f"expected {count} outputs, got {len(items)}")
+    try:
+        return [parse_output(item, return_logprob=True) for item in items]
+    except (KeyError, TypeError, ValueError) as error:
+        raise RolloutError(url, "/generate", 200, f"malformed response: {error!r}") from error

@@ -1,0 +1,355 @@
+"""The rollout fleet: N generation servers, routing, generating a Batch, and recovering dead servers.
+
+Lifecycle: each server's process is owned by a `ServerHost`, one Ray actor
+per server on its placement slot (or, with `use_ray=False`, in the driver).
+The host reports the server's URL; the fleet waits on `/health`; logs go to
+`<log_dir>/rollout-<i>.log`, and a server that never becomes healthy fails
+the fleet with its log tail.
+
+Routing: with `routing="client"` the fleet spreads requests itself (least
+loaded, at most `max_concurrency` in flight per server, one request per prompt
+group); with `routing="router"` the servers are registered with an
+`sglang-router` and generation goes through it (one request per sample: the
+router takes only one `sampling_params`). Weight updates and control calls
+always go to every server directly; the router does not forward them.
+
+Faults: a request whose server died is re-sent to the others (`dispatch`);
+the dead server is restarted (at most `max_restarts` times), re-synced to the
+current weight version through the registered weight source while holding
+the weight lock, checked on `/model_info`, and only then serves again. When
+no server is left, `FleetError` names each with its cause and log tail.
+
+Security: every server gets the run's API key, which `/generate`, weight
+updates and control calls require (only `/health` is open); servers bind to
+loopback or their node's own address, never 0.0.0.0 unless the recipe says
+so. Nothing in the fleet, client or router unpickles data from the network;
+the one pickle that travels is SGLang's documented `/update_weights_from_tensor`
+format on the colocated path, loaded by a server from its own trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from megarl.errors import InputError
+from megarl.protocol import Batch
+from megarl.rollout.batching import prompt_groups, prompt_token_lists, rollout_batch
+from megarl.rollout.client import RolloutClient, RolloutError
+from megarl.rollout.dispatch import FleetError, generate_rows
+from megarl.rollout.fleet_member import DEAD, RESTARTING, UP, FleetMember
+from megarl.rollout.results import GenerationResult
+from megarl.rollout.router import RouterError, RouterHandle, start_router
+from megarl.rollout.server_host import LOOPBACK, ServerSpec, bind_address, current_node_id, start_hosts
+from megarl.rollout.sglang_launcher import passthrough_args
+
+# push(urls=[...], version=v) loads the trainer's current weights into those servers under version v.
+WeightSource = Callable[..., Any]
+
+
+@dataclass
+class _RouterTarget:
+    url: str
+    assigned: int = 0
+    slots: asyncio.Semaphore | None = None
+
+
+class RolloutFleet:
+    """Servers + generation of a Batch + weight-version bookkeeping; see the module docstring."""
+
+    def __init__(
+        self,
+        spec: ServerSpec,
+        *,
+        num_servers: int,
+        max_response_length: int,
+        pad_token_id: int,
+        stop_token_ids: list[int] | None = None,
+        seed: int = 0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        max_concurrency: int = 256,
+        routing: str = "client",
+        router_policy: str = "cache_aware",
+        use_ray: bool = True,
+        slots: list[tuple[Any, int]] | None = None,
+        actor_options: dict[str, Any] | None = None,
+        startup_timeout_s: float = 300.0,
+        max_restarts: int = 2,
+        max_attempts: int = 4,
+    ):
+        if routing not in ("client", "router"):
+            raise ValueError(f"routing must be 'client' or 'router', got {routing!r}")
+        if num_servers < 1 or max_concurrency < 1 or max_attempts < 1:
+            raise ValueError(f"num_servers={num_servers}, max_concurrency={max_concurrency} and "
+                             f"max_attempts={max_attempts} must be >= 1")
+        if spec.backend == "sglang":
+            passthrough_args(spec.sglang_args)  # a bad recipe block fails before any process starts
+        self.spec = spec
+        self.max_response_length, self.pad_token_id = max_response_length, pad_token_id
+        self.sampling = {"max_new_tokens": max_response_length, "top_p": top_p, "top_k": top_k}
+        if stop_token_ids:
+            self.sampling["stop_token_ids"] = list(stop_token_ids)
+        self.seed, self.max_concurrency = seed, max_concurrency
+        self.max_restarts, self.max_attempts, self.startup_timeout_s = max_restarts, max_attempts, startup_timeout_s
+        self._weight_lock = threading.Lock()
+        self._source: WeightSource | str | Path | None = None
+        self._version, self._version_arg = spec.weight_version, None
+        self._recoveries: set[asyncio.Task] = set()
+        self._changed: asyncio.Event | None = None
+        self._closed = False
+        self._client: RolloutClient | None = None
+        self._router: RouterHandle | None = None
+        self._router_target: _RouterTarget | None = None
+        hosts = start_hosts(spec, num_servers, use_ray=use_ray, slots=slots, actor_options=actor_options)
+        self._servers = [FleetMember(index, host) for index, host in enumerate(hosts)]
+        try:
+            self._start_all()
+            self._client = RolloutClient(self.urls, api_key=spec.api_key, max_concurrency=max_concurrency)
+            if routing == "router":
+                self._router = start_router(self.urls, log_path=Path(spec.log_dir) / "router.log",
+                                            policy=router_policy, api_key=spec.api_key)
+                self._router_target = _RouterTarget(self._router.url)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- what callers see --------------------------------------------------------------------
+
+    @property
+    def urls(self) -> list[str]:
+        """URLs of the servers that serve now (weight updates go to these)."""
+        return [server.url for server in self._servers if server.state == UP]
+
+    @property
+    def router(self) -> RouterHandle | None:
+        """The sglang-router in front of the servers (routing="router"), else None."""
+        return self._router
+
+    @property
+    def weight_version(self) -> str:
+        """The version every serving server holds (the servers' start version until the first sync)."""
+        return self._version
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per server: index, url, pid, state (up/restarting/dead), restarts, failure."""
+        return [{"index": s.index, "url": s.url, "pid": s.pid, "state": s.state, "restarts": s.restarts,
+                 "failure": s.failure} for s in self._servers]
+
+    def generate(self, gen_batch: Batch, *, temperature: float, seed: int) -> Batch:
+        """Responses, full sequences, engine log-probs and finish reasons for every row of `gen_batch`."""
+        prompts = prompt_token_lists(gen_batch)
+        groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
+        results = self._client.run(self._generate_rows(
+            prompts, groups, sampling={**self.sampling, "temperature": temperature}, seed=self.seed * 100_003 + seed
+        ))
+        return rollout_batch(gen_batch, results, pad_id=self.pad_token_id, max_response_length=self.max_response_length)
+
+    async def _generate_rows(
+        self, prompts: list[list[int]], groups: list[list[int]], *, sampling: dict[str, Any], seed: int
+    ) -> list[GenerationResult]:
+        # Checks before and after: a server may have died while idle, and the router
+        # re-sends a dead worker's requests itself, so only a check can see that death.
+        await self._check_all()
+        results = await generate_rows(prompts, groups, sampling=sampling, seed=seed, targets=self,
+                                      request=self._client.request, max_attempts=self.max_attempts)
+        await self._check_all()
+        return results
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    def set_weight_source(self, source: WeightSource | str | Path) -> None:
+        """Where current weights come from: `push(urls=..., version=...)`, or an HF checkpoint dir to load."""
+        self._source = source
+
+    def sync_weights(self, *, version: Any) -> Any:
+        """Push the source's weights to every serving server under `version`; returns the source's result.
+
+        A server found dead meanwhile is restarted and re-synced to `version` in the background.
+        """
+        if self._source is None:
+            raise RuntimeError("sync_weights: no weight source; call set_weight_source first")
+        with self._weight_lock:
+            try:
+                result = self._push(self._serving(), version)
+            except Exception:
+                if not self._client.run(self._check_all()):
+                    raise
+                result = self._push(self._serving(), version)
+            self._version, self._version_arg = str(version), version
+        return result
+
+    def wait_for_restarts(self, timeout_s: float = 300.0) -> bool:
+        """Block until no restart is in progress; False on timeout."""
+        return self._client.run(self._await_recoveries(timeout_s))
+
+    def _serving(self) -> list[str]:
+        urls = self.urls
+        if not urls:
+            raise FleetError(self._obituary())
+        return urls
+
+    def _push(self, urls: list[str], version: Any) -> Any:
+        if callable(self._source):
+            return self._source(urls=urls, version=version)
+        with RolloutClient(urls, api_key=self.spec.api_key) as client:
+            client.update_weights_from_disk(str(self._source), weight_version=str(version))
+        return None
+
+    # ---- Targets protocol, used by dispatch.generate_rows on the client's loop ----------------
+
+    async def acquire(self) -> Any:
+        while True:
+            live = [server for server in self._servers if server.state == UP]
+            if not live:
+                if all(server.state == DEAD for server in self._servers):
+                    raise FleetError(self._obituary())
+                await self._wait_changed()
+                continue
+            target = self._router_target or min(live, key=lambda server: server.assigned)
+            if target.slots is None:
+                bound = self.max_concurrency * (len(self._servers) if target is self._router_target else 1)
+                target.slots = asyncio.Semaphore(bound)
+            target.assigned += 1
+            try:
+                await target.slots.acquire()
+            except BaseException:
+                target.assigned -= 1
+                raise
+            if target is self._router_target or target.state == UP:
+                return target
+            # It died while this request waited for a slot: pick again without spending an attempt.
+            self.release(target)
+
+    def release(self, target: Any) -> None:
+        target.slots.release()
+        target.assigned -= 1
+
+    async def report_failure(self, target: Any, error: RolloutError) -> None:
+        if isinstance(target, FleetMember):
+            if target.state == UP and not await asyncio.to_thread(target.alive):
+                await self._mark_down(target, f"failed during generation: {error}")
+            return
+        if self._router.exit_code() is not None:
+            raise FleetError(f"sglang-router at {self._router.url} exited; log tail:\n{self._router.log_tail()}")
+        await self._check_all()
+
+    # ---- start, check, restart ---------------------------------------------------------------
+
+    def _start_all(self) -> None:
+        driver_node = current_node_id()
+        for server in self._servers:
+            info = server.start()
+            if bind_address(self.spec.bind) == LOOPBACK and info["node"] != driver_node:
+                raise InputError(f"rollout.host: {self.spec.bind!r} (loopback) but rollout server {server.index} "
+                                 f"runs on another node; use 'node' so the controller can reach it")
+        # All processes boot together; then wait for each in turn.
+        for server in self._servers:
+            server.wait_ready(timeout_s=self.startup_timeout_s, what=self._what(server))
+            server.state = UP
+
+    def _what(self, server: FleetMember) -> str:
+        return f"rollout server {server.index} ({self.spec.backend})"
+
+    async def _check_all(self) -> list[FleetMember]:
+        """Find serving servers that are dead and start their recovery; returns them."""
+        serving = [server for server in self._servers if server.state == UP]
+        alive = await asyncio.gather(*(asyncio.to_thread(server.alive) for server in serving))
+        dead = [server for server, ok in zip(serving, alive) if not ok]
+        for server in dead:
+            await self._mark_down(server, "found dead")
+        return dead
+
+    async def _mark_down(self, server: FleetMember, reason: str) -> None:
+        if server.state != UP:
+            return
+        if server.restarts >= self.max_restarts:
+            server.state = DEAD
+            tail = await asyncio.to_thread(server.log_tail)
+            server.failure = f"{reason}; not restarted again after {server.restarts} restarts; log tail:\n{tail}"
+            self._notify()
+            return
+        server.state = RESTARTING
+        server.restarts += 1
+        task = asyncio.ensure_future(self._recover(server, reason))
+        self._recoveries.add(task)
+        task.add_done_callback(self._recoveries.discard)
+
+    async def _recover(self, server: FleetMember, reason: str) -> None:
+        try:
+            if self._router is not None:
+                # A router that cannot drop the record is no reason to retire the server: the
+                # restarted server usually comes back on the same URL, which re-registering checks.
+                with contextlib.suppress(RouterError):
+                    await asyncio.to_thread(self._router.remove_worker, server.url)
+            await asyncio.to_thread(server.start, restart=True)
+            await asyncio.to_thread(server.wait_ready, timeout_s=self.startup_timeout_s, what=self._what(server))
+            await asyncio.to_thread(self._resync_and_serve, server)
+        except Exception as error:  # noqa: BLE001 - a failed restart retires the server, the others go on
+            server.state = DEAD
+            tail = await asyncio.to_thread(server.log_tail)
+            server.failure = f"{reason}; restart {server.restarts} failed: {error}; log tail:\n{tail}"
+        finally:
+            self._notify()
+
+    def _resync_and_serve(self, server: FleetMember) -> None:
+        """Load the current weights into a restarted server, check its version, then let it serve."""
+        # Under the weight lock: a sync cannot slip in between this push and the server joining `urls`.
+        with self._weight_lock:
+            if self._closed:
+                raise FleetError("fleet shut down during the restart")
+            if self._version_arg is not None:
+                self._push([server.url], self._version_arg)
+                reported = server.model_info(self.spec.api_key).get("weight_version")
+                if reported != self._version:
+                    raise FleetError(f"re-sync of {server.url}: it reports weight_version {reported!r}, "
+                                     f"expected {self._version!r}")
+            if self._router is not None:
+                self._router.add_worker(server.url)
+            server.state = UP
+
+    def _obituary(self) -> str:
+        lines = [f"no rollout server is serving ({len(self._servers)} started):"]
+        lines += [f"- server {s.index} at {s.url}: {s.state}; {s.failure or 'no failure recorded'}"
+                  for s in self._servers]
+        return "\n".join(lines)
+
+    async def _wait_changed(self) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        await self._changed.wait()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _await_recoveries(self, timeout_s: float) -> bool:
+        if not self._recoveries:
+            return True
+        _, pending = await asyncio.wait(list(self._recoveries), timeout=timeout_s)
+        return not pending
+
+    # ---- teardown ----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the router and every server (by PID, through their hosts); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._router is not None:
+            self._router.stop()
+        for server in self._servers:
+            server.host.close()
+        if self._client is not None:
+            self._client.close()
+
+    def __enter__(self) -> RolloutFleet:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()

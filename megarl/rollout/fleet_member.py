@@ -1,0 +1,81 @@
+"""One server of the fleet as the driver sees it: its state and the blocking calls on it.
+
+A member wraps the server's host (a Ray actor or a local object): it starts or
+restarts the process, waits for `/health` (starting once more on a port the OS
+picks when another process took the chosen port first), tells whether the
+server is still alive, and reads its log tail and `/model_info`. Blocking
+calls run in worker threads when the fleet's event loop needs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.rollout.server import ServerStartError, wait_healthy
+
+UP, STARTING, RESTARTING, DEAD = "up", "starting", "restarting", "dead"
+# uvicorn: "[Errno 98] ... address already in use"; other servers: "port N is already in use".
+PORT_TAKEN = re.compile(r"address already in use|port \d+ is (already )?in use", re.IGNORECASE)
+
+
+@dataclass
+class FleetMember:
+    """Server `index`: where it is, how it is doing, and its in-flight bookkeeping (owned by the fleet's loop)."""
+
+    index: int
+    host: Any
+    url: str = ""
+    pid: int | None = None
+    state: str = STARTING
+    restarts: int = 0
+    failure: str = ""
+    assigned: int = 0
+    slots: asyncio.Semaphore | None = None
+
+    def start(self, *, restart: bool = False, any_port: bool = False) -> dict[str, Any]:
+        """Start (or stop and start) the process; returns the host's `url`, `pid` and `node`."""
+        info = self.host.call("restart" if restart else "start", any_port)
+        self.url, self.pid = info["url"], info["pid"]
+        return info
+
+    def wait_ready(self, *, timeout_s: float, what: str) -> None:
+        """Wait for `/health`; ServerStartError with the log tail if the process exits or time runs out."""
+        try:
+            self._wait(timeout_s, what)
+        except ServerStartError as error:
+            if not PORT_TAKEN.search(str(error)):
+                raise
+            # Another process bound the port between our check and the server's bind.
+            self.start(any_port=True)
+            self._wait(timeout_s, what)
+
+    def alive(self) -> bool:
+        """The process runs and `/health` answers 200."""
+        try:
+            if self.host.call("exit_code") is not None:
+                return False
+            with urllib.request.urlopen(f"{self.url}/health", timeout=10) as response:
+                return response.status == 200
+        except Exception:  # noqa: BLE001 - unreachable, timed out, or its actor is gone: all mean dead
+            return False
+
+    def log_tail(self) -> str:
+        try:
+            return self.host.call("log_tail")
+        except Exception as error:  # noqa: BLE001 - the host itself may be gone
+            return f"(log unavailable: {error})"
+
+    def model_info(self, api_key: str | None) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        request = urllib.request.Request(f"{self.url}/model_info", headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def _wait(self, timeout_s: float, what: str) -> None:
+        wait_healthy(self.url, exit_code=lambda: self.host.call("exit_code"), log_tail=self.log_tail,
+                     timeout_s=timeout_s, what=what, interval_s=0.25)

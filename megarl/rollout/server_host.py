@@ -1,0 +1,268 @@
+"""The owner of one rollout server's process: a Ray actor on the server's bundle, or the driver itself.
+
+`ServerHost` starts the server (megarl's CPU engine, or `sglang.launch_server`
+with `sglang_server_argv`), restarts it on the same port when it can, reports
+its URL, PID and exit status, and keeps its output in `<log_dir>/rollout-<i>.log`
+(one log per server, appended across restarts). It never waits for health:
+the driver does, so one slow server does not hold up an actor call.
+
+`start_hosts` creates one host per server: `use_ray=True` makes each a Ray
+actor, placed on its (placement group, bundle) slot when slots are given;
+otherwise the hosts live in the driver (tests, single-process runs).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megarl.rollout.server import LOG_TAIL_CHARS, ServerHandle, cpu_engine_command, free_port, spawn_server
+from megarl.rollout.sglang_launcher import sglang_server_argv
+
+LOOPBACK = "127.0.0.1"
+BACKENDS = ("cpu", "sglang")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How every server of a fleet is started (server i differs only in its port and log file)."""
+
+    backend: str  # "cpu" (megarl's CPU engine) or "sglang"
+    model_path: str
+    log_dir: str
+    api_key: str | None = None
+    bind: str = "loopback"  # "loopback", "node" (the node's address, from Ray) or an explicit address
+    port: int | None = None  # server i first tries port + i; None: any free port
+    weight_version: str = "default"
+    tokenizer_path: str | None = None
+    threads: int = 1  # CPU engine: torch threads
+    tp: int = 1  # SGLang: tensor-parallel size
+    mem_fraction: float = 0.8  # SGLang: --mem-fraction-static
+    sglang_args: dict[str, Any] = field(default_factory=dict)  # the recipe's rollout.sglang block
+    skip_tokenizer_init: bool = True
+    enable_memory_saver: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"ServerSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+def bind_address(bind: str) -> str:
+    """The address a server listens on for a `bind` setting."""
+    if bind in ("loopback", "localhost", LOOPBACK):
+        return LOOPBACK
+    if bind == "node":
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+    return bind
+
+
+def current_node_id() -> str | None:
+    """The Ray node this process runs on (None without Ray): tells servers on other nodes from local ones."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # Servers bind with SO_REUSEADDR, so connections of a killed server in TIME_WAIT do not block them.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class ServerHost:
+    """Starts, restarts, polls and stops the process of server `index`; once closed it starts nothing."""
+
+    def __init__(self, spec: ServerSpec, index: int, gpu_ids: list[int] | None = None):
+        self.spec, self.index, self.gpu_ids = spec, index, gpu_ids
+        self.address = bind_address(spec.bind)
+        # Listening on every interface still needs one address that others can reach.
+        self.reachable = bind_address("node") if self.address == "0.0.0.0" else self.address
+        self.log_path = Path(spec.log_dir) / f"rollout-{index}.log"
+        self.port: int | None = None
+        self.server: ServerHandle | None = None
+        self.starts = 0
+        self.closed = False
+        # A restart in a driver thread may race with close() at shutdown (a Ray actor serialises calls anyway).
+        self._lock = threading.Lock()
+
+    def start(self, any_port: bool = False) -> dict[str, Any]:
+        """Start the process (on a port the OS picks if `any_port`); returns its `url`, `pid` and Ray `node` id."""
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"rollout server {self.index}: its host is closed")
+            if self.server is not None and self.server.process.poll() is None:
+                raise RuntimeError(f"rollout server {self.index} is already running (pid {self.server.pid})")
+            self.port = free_port(self.address) if any_port else self._choose_port()
+            command, env = self._command()
+            self.starts += 1
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            shown = " ".join("***" if arg == self.spec.api_key else arg for arg in command)
+            with open(self.log_path, "a") as log:
+                log.write(f"=== megarl: start {self.starts} of rollout server {self.index}: {shown}\n")
+            url = f"http://{self.reachable}:{self.port}"
+            self.server = spawn_server(command, url=url, log_path=self.log_path, env=env, api_key=self.spec.api_key)
+            return {"url": url, "pid": self.server.pid, "node": current_node_id()}
+
+    def restart(self, any_port: bool = False) -> dict[str, Any]:
+        self.stop()
+        return self.start(any_port)
+
+    def exit_code(self) -> int | None:
+        """The process's exit status; None while it runs (and before the first start)."""
+        return None if self.server is None else self.server.process.poll()
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        """The last `chars` characters of the server's log (read from the end: SGLang logs grow large)."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 4 * chars))
+                return log.read().decode(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.server is not None:
+                self.server.stop()
+
+    def close(self) -> None:
+        """Stop the server for good."""
+        with self._lock:
+            self.closed = True
+            if self.server is not None:
+                self.server.stop()
+
+    def _choose_port(self) -> int:
+        # The same port again after a restart keeps the server's URL, so routers and clients need no update.
+        preferred = [self.port] if self.port is not None else []
+        if self.spec.port is not None:
+            preferred.append(self.spec.port + self.index)
+        for port in preferred:
+            if _port_is_free(self.address, port):
+                return port
+        return free_port(self.address)
+
+    def _command(self) -> tuple[list[str], dict[str, str]]:
+        spec = self.spec
+        if spec.backend == "cpu":
+            command = cpu_engine_command(
+                spec.model_path, host=self.address, port=self.port, api_key=spec.api_key, threads=spec.threads,
+                tokenizer_path=spec.tokenizer_path, weight_version=spec.weight_version, seed=spec.seed,
+            )
+            # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
+            return command, {"OMP_NUM_THREADS": str(spec.threads)}
+        command = sglang_server_argv(
+            model_path=spec.model_path, host=self.address, port=self.port, tp_size=spec.tp,
+            mem_fraction_static=spec.mem_fraction, api_key=spec.api_key, weight_version=spec.weight_version,
+            skip_tokenizer_init=spec.skip_tokenizer_init, enable_memory_saver=spec.enable_memory_saver,
+            extra=spec.sglang_args,
+        )
+        env = {} if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in self.gpu_ids)}
+        return command, env
+
+
+class LocalHost:
+    """A host object in the driver process, called like a Ray actor."""
+
+    def __init__(self, host: ServerHost):
+        self._host = host
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self._host, method)(*args)
+
+    def close(self) -> None:
+        self._host.close()
+
+
+class RayHost:
+    """A `ServerHost` Ray actor; `call` blocks for the result."""
+
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    def call(self, method: str, *args: Any, timeout_s: float = 120.0) -> Any:
+        import ray
+
+        return ray.get(getattr(self._actor, method).remote(*args), timeout=timeout_s)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            self.call("close", timeout_s=60.0)
+        except Exception:  # noqa: BLE001 - the actor may already be gone; killing it below is what matters
+            pass
+        ray.kill(self._actor)
+
+
+def start_hosts(
+    spec: ServerSpec,
+    num_servers: int,
+    *,
+    use_ray: bool,
+    slots: list[tuple[Any, int]] | None = None,
+    actor_options: dict[str, Any] | None = None,
+) -> list[LocalHost | RayHost]:
+    """One host per server. `slots` (Ray only) has `num_servers * spec.tp` entries, server i on slot i*tp.
+
+    With GPUs in `actor_options`, server i's process sees the GPUs of its tp slots (CUDA_VISIBLE_DEVICES).
+    """
+    if not use_ray:
+        if slots:
+            raise ValueError("start_hosts: placement slots need use_ray=True")
+        return [LocalHost(ServerHost(spec, index)) for index in range(num_servers)]
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if not ray.is_initialized():
+        raise RuntimeError("start_hosts: use_ray=True needs a running Ray (ray.init first), or use_ray=False")
+    if slots is not None and len(slots) != num_servers * spec.tp:
+        raise ValueError(f"start_hosts: {num_servers} servers x tp {spec.tp} need {num_servers * spec.tp} slots, "
+                         f"got {len(slots)}")
+    options = {"num_cpus": 0, **(actor_options or {}), "max_restarts": 0}
+    remote_host = ray.remote(ServerHost)
+    hosts = []
+    for index in range(num_servers):
+        server_options = dict(options)
+        gpu_ids = None
+        if slots is not None:
+            group, bundle = slots[index * spec.tp]
+            server_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=bundle
+            )
+            if options.get("num_gpus"):
+                gpu_ids = _slot_gpu_ids(slots[index * spec.tp : (index + 1) * spec.tp], options["num_gpus"])
+        hosts.append(RayHost(remote_host.options(**server_options).remote(spec, index, gpu_ids)))
+    return hosts
+
+
+def _slot_gpu_ids(slots: list[tuple[Any, int]], num_gpus: float) -> list[int]:
+    """The GPU ids Ray assigns on each slot's bundle (one tiny task per bundle)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote
+    def assigned_gpus() -> list[int]:
+        return [int(gpu) for gpu in ray.get_gpu_ids()]
+
+    futures = [
+        assigned_gpus.options(
+            num_cpus=0,
+            num_gpus=num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=b),
+        ).remote()
+        for group, b in slots
+    ]
+    return [gpu for ids in ray.get(futures) for gpu in ids]

@@ -1,0 +1,102 @@
+"""The `python -m sglang.launch_server` command line of one rollout server.
+
+megarl sets the arguments it owns (model, parallelism, memory share, address,
+API key, weight version, tokenizer and memory-saver switches); everything else
+comes verbatim from the recipe's `rollout.sglang` block, one key per server
+argument. A pass-through key that megarl owns is a user error naming the
+recipe field to use instead, so a run never starts with two values for one flag.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from megarl.errors import InputError
+
+# SGLang flag (without dashes) -> the recipe field that sets it.
+OWNED_FLAGS = {
+    "model-path": "model (the fleet loads the run's weights)",
+    "tp-size": "rollout.tp",
+    "tp": "rollout.tp",
+    "tensor-parallel-size": "rollout.tp",
+    "mem-fraction-static": "rollout.mem_fraction",
+    "host": "rollout.host",
+    "port": "rollout.port",
+    "api-key": "nothing (every run gets its own key)",
+    "weight-version": "nothing (the fleet tracks weight versions)",
+    "skip-tokenizer-init": "nothing (megarl sends and reads token ids)",
+    "enable-memory-saver": "nothing (set by the placement)",
+}
+_KEY = re.compile(r"^[a-z][a-z0-9]*([_-][a-z0-9]+)*$")
+
+
+def passthrough_args(block: dict[str, Any], *, where: str = "rollout.sglang") -> list[str]:
+    """`{key: value}` -> `--key value` in the block's order.
+
+    `snake_case` keys become `--kebab-case`; True is a bare flag, False and None
+    are left out; a list is `--key v1 v2 ...`; a dict is one JSON argument.
+    """
+    problems: list[str] = []
+    argv: list[str] = []
+    for key, value in block.items():
+        if not isinstance(key, str) or not _KEY.match(key):
+            problems.append(f"{where}.{key}: not an SGLang argument name (lowercase words joined by _ or -)")
+            continue
+        flag = key.replace("_", "-")
+        if flag in OWNED_FLAGS:
+            problems.append(f"{where}.{key}: set by megarl; use {OWNED_FLAGS[flag]}")
+            continue
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(f"--{flag}")
+        elif isinstance(value, (list, tuple)):
+            if not value or any(isinstance(item, (dict, list, tuple)) for item in value):
+                problems.append(f"{where}.{key}: a list must be non-empty and hold plain values, got {value!r}")
+                continue
+            argv += [f"--{flag}", *(_scalar(item) for item in value)]
+        elif isinstance(value, dict):
+            argv += [f"--{flag}", json.dumps(value, sort_keys=True)]
+        else:
+            argv += [f"--{flag}", _scalar(value)]
+    if problems:
+        raise InputError(problems)
+    return argv
+
+
+def sglang_server_argv(
+    *,
+    model_path: str | Path,
+    host: str,
+    port: int,
+    tp_size: int,
+    mem_fraction_static: float,
+    api_key: str | None,
+    weight_version: str | None = None,
+    skip_tokenizer_init: bool = True,
+    enable_memory_saver: bool = False,
+    extra: dict[str, Any] | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    """The full argv: megarl's arguments first, then the pass-through block."""
+    argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path)]
+    argv += ["--tp-size", str(tp_size), "--mem-fraction-static", _scalar(mem_fraction_static)]
+    argv += ["--host", host, "--port", str(port)]
+    if api_key:
+        argv += ["--api-key", api_key]
+    if weight_version is not None:
+        argv += ["--weight-version", str(weight_version)]
+    if skip_tokenizer_init:
+        argv.append("--skip-tokenizer-init")
+    if enable_memory_saver:
+        argv.append("--enable-memory-saver")
+    return argv + passthrough_args(extra or {})
+
+
+def _scalar(value: Any) -> str:
+    # repr keeps a float's full precision and reads back exactly (0.1 -> "0.1").
+    return repr(value) if isinstance(value, float) else str(value)

@@ -1,0 +1,334 @@
+"""The rollout fleet: SGLang command line, retrying dispatch, and two CPU engine servers as Ray actors.
+
+The fleet tests check rows against independent references: the seed formula
+sent straight to a server, and HF transformers' log-probs of the trained weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from megarl.errors import InputError
+from megarl.protocol import Batch
+from megarl.rollout import FleetError, RolloutClient, RolloutFleet, ServerSpec, ServerStartError
+from megarl.rollout.batching import prompt_groups, prompt_token_lists, rollout_batch
+from megarl.rollout.client import RolloutError
+from megarl.rollout.dispatch import generate_rows, sample_seed
+from megarl.rollout.results import GenerationResult
+from megarl.rollout.sglang_launcher import sglang_server_argv
+from megarl.weightsync import sync_from_tensor
+
+API_KEY = "fleet-test-key"
+MAX_RESPONSE = 48
+STOP_IDS = list(range(3, 512, 16))  # ~1 in 16 tokens stops a sample: both finish reasons occur
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17, 18], [19, 20], [21]]
+N = 4
+
+
+# ---- the SGLang command line ------------------------------------------------------------------
+
+
+def test_sglang_argv_is_megarls_arguments_then_the_passthrough_block():
+    argv = sglang_server_argv(
+        model_path="/ckpt/qwen", host="10.0.0.7", port=30001, tp_size=4, mem_fraction_static=0.85, api_key="k",
+        weight_version="0", enable_memory_saver=True, python="python",
+        extra={"attention_backend": "fa3", "disable-radix-cache": True, "enable_metrics": False,
+               "cuda_graph_bs": [1, 2, 4], "chunked_prefill_size": 8192, "json_model_override_args": {"b": 1, "a": 2},
+               "log_level": None},
+    )
+    assert argv == [
+        "python", "-m", "sglang.launch_server", "--model-path", "/ckpt/qwen", "--tp-size", "4",
+        "--mem-fraction-static", "0.85", "--host", "10.0.0.7", "--port", "30001", "--api-key", "k",
+        "--weight-version", "0", "--skip-tokenizer-init", "--enable-memory-saver",
+        "--attention-backend", "fa3", "--disable-radix-cache", "--cuda-graph-bs", "1", "2", "4",
+        "--chunked-prefill-size", "8192", "--json-model-override-args", '{"a": 2, "b": 1}',
+    ]
+
+
+def test_sglang_passthrough_may_not_set_megarls_arguments():
+    with pytest.raises(InputError) as error:
+        sglang_server_argv(model_path="m", host="127.0.0.1", port=1, tp_size=1, mem_fraction_static=0.5,
+                           api_key=None, extra={"tp_size": 2, "port": 5, "Bad Key": 1, "dtype": "bfloat16"})
+    assert error.value.problems == [
+        "rollout.sglang.tp_size: set by megarl; use rollout.tp",
+        "rollout.sglang.port: set by megarl; use rollout.port",
+        "rollout.sglang.Bad Key: not an SGLang argument name (lowercase words joined by _ or -)",
+    ]
+
+
+# ---- dispatch against a fake fleet ------------------------------------------------------------
+
+
+class FakeTargets:
+    def __init__(self, urls):
+        self.urls = collections.deque(urls)
+        self.failures: list[str] = []
+
+    async def acquire(self):
+        self.urls.rotate()
+        return type("T", (), {"url": self.urls[0]})()
+
+    def release(self, target):
+        pass
+
+    async def report_failure(self, target, error):
+        self.failures.append(target.url)
+
+
+def fake_output(token: int, reason: str = "length") -> dict:
+    return {"output_ids": [token], "meta_info": {"finish_reason": {"type": reason},
+                                                 "output_token_logprobs": [[-1.0, token, None]]}}
+
+
+def test_dispatch_retries_unreachable_and_aborted_samples_and_stores_each_row_once():
+    sent: list[tuple[str, list[int]]] = []
+
+    async def request(url, method, endpoint, body):
+        params = body["sampling_params"]
+        seeds = [item["sampling_seed"] for item in (params if isinstance(params, list) else [params])]
+        sent.append((url, seeds))
+        if url == "http://dead":
+            raise RolloutError(url, endpoint, None, "connection refused")
+        # The first time, a server aborts the second copy of a group (e.g. paused for a weight update).
+        outputs = [fake_output(seed % 1000, "abort" if len(seeds) > 1 and i == 1 else "stop")
+                   for i, seed in enumerate(seeds)]
+        return outputs if isinstance(params, list) else outputs[0]
+
+    targets = FakeTargets(["http://dead", "http://alive"])
+    prompts = [[1], [1], [2], [2], [3]]
+    results = asyncio.run(generate_rows(prompts, [[0, 1], [2, 3], [4]], sampling={"max_new_tokens": 1}, seed=7,
+                                        targets=targets, request=request, max_attempts=4))
+    assert [r.output_ids for r in results] == [[sample_seed(7, row) % 1000] for row in range(5)]
+    assert all(r.finish_reason == "stop" for r in results)
+    # Aborted rows 1 and 3 went out again on their own, with their own seeds.
+    assert ("http://alive", [sample_seed(7, 1)]) in sent and ("http://alive", [sample_seed(7, 3)]) in sent
+    assert targets.failures and set(targets.failures) == {"http://dead"}
+
+
+def test_dispatch_fails_at_once_on_a_bad_request_and_after_bounded_attempts():
+    async def bad_request(url, method, endpoint, body):
+        raise RolloutError(url, endpoint, 400, "input_ids: bad")
+
+    async def unreachable(url, method, endpoint, body):
+        raise RolloutError(url, endpoint, None, "connection refused")
+
+    with pytest.raises(RolloutError, match="HTTP 400"):
+        asyncio.run(generate_rows([[1]], [[0]], sampling={}, seed=0, targets=FakeTargets(["http://a"]),
+                                  request=bad_request, max_attempts=4))
+    targets = FakeTargets(["http://a", "http://b"])
+    with pytest.raises(FleetError, match="failed 3 times"):
+        asyncio.run(generate_rows([[1]], [[0]], sampling={}, seed=0, targets=targets, request=unreachable,
+                                  max_attempts=3))
+    assert len(targets.failures) == 2
+
+
+# ---- a real fleet -----------------------------------------------------------------------------
+
+
+def tiny_model(seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def generation_batch(prompts: list[list[int]], n: int) -> Batch:
+    """Left-padded prompts with a uid each, repeated n times interleaved (as the step loop does)."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+                             "uid": [f"uid-{row}" for row in range(len(prompts))]})
+    return batch.repeat(n, interleave=True)
+
+
+def call(url: str, path: str, body=None, *, key: str | None = API_KEY) -> tuple[int, object]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{url}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            text = reply.read().decode()
+            return reply.status, json.loads(text) if text.strip() else None
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fleet_models")
+    tiny_model(0).save_pretrained(root / "base")
+    trained = tiny_model(1)
+    return {"base": root / "base", "trained": trained}
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_session, models, tmp_path_factory):
+    spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path_factory.mktemp("logs")),
+                      api_key=API_KEY)
+    with RolloutFleet(spec, num_servers=2, max_response_length=MAX_RESPONSE, pad_token_id=0,
+                      stop_token_ids=STOP_IDS, seed=11, max_concurrency=1, use_ray=True) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def pushes(fleet, models):
+    """The trained weights as the fleet's weight source; records every push."""
+    named = dict(models["trained"].state_dict())
+    calls: list[tuple[list[str], object]] = []
+
+    def push(*, urls, version):
+        calls.append((list(urls), version))
+        with RolloutClient(urls, api_key=API_KEY) as client:
+            return sync_from_tensor(named, client, weight_version=str(version))
+
+    fleet.set_weight_source(push)
+    return calls
+
+
+def expected_row(url: str, prompt: list[int], *, seed: int, row: int, temperature: float) -> dict:
+    """Row `row` sent alone to one server with the seed formula (fleet seed 11, generate seed `seed`)."""
+    params = {"max_new_tokens": MAX_RESPONSE, "temperature": temperature, "top_p": 1.0, "top_k": -1,
+              "stop_token_ids": STOP_IDS, "sampling_seed": sample_seed(11 * 100_003 + seed, row)}
+    status, reply = call(url, "/generate", {"input_ids": prompt, "sampling_params": params, "return_logprob": True})
+    assert status == 200, reply
+    return reply
+
+
+def assert_every_uid_once(out: Batch, gen_batch: Batch) -> None:
+    assert len(out) == len(gen_batch)
+    assert list(out["uid"]) == list(gen_batch["uid"])
+    assert collections.Counter(out["uid"]) == {f"uid-{row}": N for row in range(len(PROMPTS))}
+
+
+@pytest.mark.dist
+def test_generation_returns_every_row_once_with_its_seeded_sample(fleet):
+    gen_batch = generation_batch(PROMPTS, N)
+    out = fleet.generate(gen_batch, temperature=1.0, seed=3)
+    assert_every_uid_once(out, gen_batch)
+    url = fleet.urls[1]
+    lengths = out["attention_mask"][:, -MAX_RESPONSE:].sum(-1)
+    for row in range(len(gen_batch)):
+        expected = expected_row(url, PROMPTS[row // N], seed=3, row=row, temperature=1.0)
+        length = len(expected["output_ids"])
+        assert out["responses"][row, :length].tolist() == expected["output_ids"] and lengths[row] == length
+        logprobs = [entry[0] for entry in expected["meta_info"]["output_token_logprobs"]]
+        assert out["rollout_log_probs"][row, :length].tolist() == pytest.approx(logprobs, abs=1e-5)
+        assert out["finish_reasons"][row] == expected["meta_info"]["finish_reason"]["type"]
+    # finish reasons agree with the lengths: clip_ratio counts exactly the "length" rows.
+    reasons = list(out["finish_reasons"])
+    assert set(reasons) <= {"stop", "length"} and "stop" in reasons
+    for row, reason in enumerate(reasons):
+        last = out["responses"][row, lengths[row] - 1].item()
+        assert (reason == "length") == (lengths[row] == MAX_RESPONSE and last not in STOP_IDS)
+
+
+@pytest.mark.dist
+def test_killed_server_is_restarted_and_resynced_and_no_row_is_lost(fleet, pushes, models):
+    fleet.sync_weights(version=7)
+    assert fleet.weight_version == "7"
+    assert [call(url, "/model_info")[1]["weight_version"] for url in fleet.urls] == ["7", "7"]
+    gen_batch = generation_batch(PROMPTS, N)
+    reference = fleet.generate(gen_batch, temperature=1.0, seed=5)
+
+    victim = fleet.status()[0]
+    holder: dict = {}
+    worker = threading.Thread(target=lambda: holder.update(out=fleet.generate(gen_batch, temperature=1.0, seed=5)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while call(victim["url"], "/server_info")[1]["num_running_reqs"] < 1:
+        assert time.monotonic() < deadline, "no request ever ran on server 0"
+        time.sleep(0.002)
+    os.kill(victim["pid"], signal.SIGKILL)
+    worker.join(timeout=120)
+    out = holder["out"]
+    assert_every_uid_once(out, gen_batch)
+    assert torch.equal(out["responses"], reference["responses"])
+    assert torch.allclose(out["rollout_log_probs"], reference["rollout_log_probs"], atol=1e-5)
+
+    assert fleet.wait_for_restarts(120)
+    restarted = fleet.status()[0]
+    assert restarted["state"] == "up" and restarted["restarts"] == 1 and restarted["pid"] != victim["pid"]
+    assert pushes[-1] == ([restarted["url"]], 7)
+    assert call(restarted["url"], "/model_info")[1]["weight_version"] == "7"
+    # The restarted server holds the trained weights: its seeded sample and log-probs equal the other
+    # server's and HF transformers' on the trained model (not the base weights it loaded from disk).
+    prompt = PROMPTS[1]
+    mine = expected_row(restarted["url"], prompt, seed=0, row=0, temperature=1.0)
+    other = expected_row(fleet.status()[1]["url"], prompt, seed=0, row=0, temperature=1.0)
+    assert mine["output_ids"] == other["output_ids"]
+    mine_lp = [entry[0] for entry in mine["meta_info"]["output_token_logprobs"]]
+    assert mine_lp == pytest.approx([entry[0] for entry in other["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    with torch.no_grad():
+        logits = models["trained"](torch.tensor([prompt + mine["output_ids"]])).logits[0]
+    hf = torch.log_softmax(logits.float(), -1)[len(prompt) - 1:-1].gather(-1, torch.tensor(mine["output_ids"])[:, None])
+    assert mine_lp == pytest.approx(hf.squeeze(-1).tolist(), abs=1e-4)
+
+
+@pytest.mark.dist
+def test_update_and_generate_endpoints_refuse_requests_without_the_key(fleet):
+    url = fleet.urls[0]
+    for path, body in [("/update_weights_from_disk", {"model_path": "/nonexistent"}),
+                       ("/update_weight_version", {"new_version": "evil"}), ("/pause_generation", {}),
+                       ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})]:
+        assert call(url, path, body, key=None)[0] == 401
+        assert call(url, path, body, key="wrong-key")[0] == 401
+    assert call(url, "/model_info")[1]["weight_version"] != "evil"
+    assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
+
+
+@pytest.mark.dist
+def test_server_that_never_becomes_healthy_fails_with_its_log_tail(tmp_path):
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    spec = ServerSpec(backend="cpu", model_path=str(broken), log_dir=str(tmp_path / "logs"), api_key=API_KEY)
+    with pytest.raises(ServerStartError) as error:
+        RolloutFleet(spec, num_servers=1, max_response_length=8, pad_token_id=0, use_ray=False, startup_timeout_s=60)
+    message = str(error.value)
+    assert "rollout server 0" in message and "exited with status" in message
+    assert "no-such-architecture" in message  # from the server's own log
+    assert API_KEY not in (tmp_path / "logs" / "rollout-0.log").read_text()
+
+
+@pytest.mark.dist
+def test_error_names_every_server_when_all_are_dead(models, tmp_path):
+    spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path), api_key=API_KEY)
+    with RolloutFleet(spec, num_servers=2, max_response_length=8, pad_token_id=0, use_ray=False,
+                      max_restarts=0) as doomed:
+        servers = doomed.status()
+        for server in servers:
+            os.kill(server["pid"], signal.SIGKILL)
+        with pytest.raises(FleetError) as error:
+            doomed.generate(generation_batch(PROMPTS[:2], 1), temperature=1.0, seed=0)
+    message = str(error.value)
+    for server in servers:
+        assert f"server {server['index']} at {server['url']}: dead" in message
+    assert "rollout server" in message  # each server's log tail
+
+
+def test_prompt_groups_are_runs_of_one_prompt_and_rows_keep_their_columns():
+    gen_batch = generation_batch([[5, 6], [7], [5, 6]], 2)
+    assert prompt_groups(prompt_token_lists(gen_batch)) == [[0, 1], [2, 3], [4, 5]]
+    results = [GenerationResult([row + 1, 2], [-0.5, -0.25], "stop", "v") for row in range(6)]
+    out = rollout_batch(gen_batch, results, pad_id=0, max_response_length=3)
+    assert out["responses"][:, :2].tolist() == [[row + 1, 2] for row in range(6)]
+    assert list(out["uid"]) == list(gen_batch["uid"]) and list(out["finish_reasons"]) == ["stop"] * 6
+    with pytest.raises(ValueError, match="5 results for a batch of 6"):
+        rollout_batch(gen_batch, results[:5], pad_id=0, max_response_length=3)
