@@ -46,16 +46,17 @@ def test_position_ids_from_mask():
 
 def test_arithmetic_rows_schema_and_answers():
     rows = arithmetic_rows(50, seed=3, split="train", max_operand=20, start_index=100)
-    a, b = (int(x) for x in rows[0]["extra_info"]["question"][len("What is ") : -1].split(" + "))
+    a, b = (int(x) for x in rows[0]["extra_info"]["question"][: -len("=?")].split("+"))
+    question = f"{a:02d}+{b:02d}=?"  # operands zero-padded to the width of max_operand
     assert rows[0] == {
         "data_source": "megarl/arithmetic",
-        "prompt": [{"role": "user", "content": f'What is {a} + {b}? Answer after "####".'}],
+        "prompt": [{"role": "user", "content": f'Answer after "####". {question}'}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"split": "train", "index": 100, "answer": f"#### {a + b}", "question": f"What is {a} + {b}?"},
+        "extra_info": {"split": "train", "index": 100, "answer": f"#### {a + b}", "question": question},
     }
     for offset, row in enumerate(rows):
-        left, right = (int(x) for x in row["extra_info"]["question"][len("What is ") : -1].split(" + "))
+        left, right = (int(x) for x in row["extra_info"]["question"][: -len("=?")].split("+"))
         assert 0 <= left <= 20 and 0 <= right <= 20
         assert row["reward_model"]["ground_truth"] == str(left + right)
         assert row["extra_info"]["index"] == 100 + offset

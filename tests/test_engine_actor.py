@@ -3,8 +3,8 @@
 One spawned rank builds a frozen reference, a zero-LR engine (to read gradients at
 fixed weights) and a real actor from the same HF checkpoint, and returns everything
 the first tests assert on. The independent reference is the HF model in this process:
-the PPO loss written out by hand, differentiated by torch autograd. The last test runs
-the same update at TP2xPP2, PP2xVPP2 and DP2 and compares it with one rank.
+the PPO loss written out by hand, differentiated by torch autograd. The same update at
+the other parallel layouts (TP, PP, VPP, DP) is compared with TP1PP1 in test_engine_forward.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from _engine_spawn import run_spawned
-from _engine_workers import actor_outputs, layout_outputs
+from _engine_workers import actor_outputs
 
 pytestmark = pytest.mark.dist
 
@@ -201,55 +201,3 @@ def test_reference_never_changes(setup):
     for name, tensor in out["ref_weights_after"].items():
         assert torch.equal(tensor, model.state_dict()[name]), name
     assert "trainable=False" in out["ref_update_error"]
-
-
-LAYOUTS = {
-    "tp2-pp2": (4, dict(tp=2, pp=2)),
-    "pp2-vpp2": (2, dict(tp=1, pp=2, vpp=2)),
-    "dp2": (2, dict(tp=1, pp=1)),  # each DP rank gets half the rows
-}
-
-
-@pytest.fixture(scope="module")
-def layout_base():
-    hf_config = {
-        "model_type": "qwen2",
-        "vocab_size": 200,
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "tie_word_embeddings": True,
-    }
-    batch = _batch(_hf_model())
-    ppo = {**PPO, "temperature": 0.8}
-    (base,) = run_spawned(layout_outputs, hf_config=hf_config, batch=batch, ppo=ppo)
-    return hf_config, batch, ppo, base
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_parallel_layouts_agree_with_a_single_rank(layout_base, layout):
-    hf_config, batch, ppo, base = layout_base
-    world_size, parallel = LAYOUTS[layout]
-    ranks = run_spawned(
-        layout_outputs, world_size=world_size, layout=parallel, hf_config=hf_config, batch=batch, ppo=ppo
-    )
-    by_dp = {}
-    for out in ranks:  # every rank of a DP replica returns the same values
-        by_dp.setdefault(out["dp_rank"], out)
-        assert torch.equal(out["log_probs"], by_dp[out["dp_rank"]]["log_probs"])
-        assert out["metrics"] == by_dp[out["dp_rank"]]["metrics"]
-        for name, weight in base["weights"].items():
-            assert torch.equal(out["weights"][name], weight), name  # same seed -> same model at any layout
-    log_probs = torch.cat([by_dp[r]["log_probs"] for r in sorted(by_dp)])
-    entropy = torch.cat([by_dp[r]["entropy"] for r in sorted(by_dp)])
-    assert torch.allclose(log_probs, base["log_probs"], atol=1e-5, rtol=0)
-    assert torch.allclose(entropy, base["entropy"], atol=1e-5, rtol=0)
-    scale = max(g.abs().max() for g in base["grads"].values())
-    for out in ranks:
-        for name, grad in base["grads"].items():
-            assert torch.allclose(out["grads"][name], grad, atol=1e-5 * scale, rtol=1e-4), (layout, name)
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm"):
-            assert out["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), key

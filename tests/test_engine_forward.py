@@ -1,99 +1,130 @@
-"""Megatron GPT forward (TP1 PP1, gloo, one spawned process) against HF transformers on the same weights.
+"""The layout matrix: Megatron GPT at TP1PP1, TP2PP1, TP1PP2, TP2PP2 and PP2xVPP2 against HF
+transformers on the same weights (Llama untied, Qwen2 with QKV bias and tied embeddings,
+Qwen3 with q/k norms), one spawned gloo job.
 
-The HF models are built and saved here (random weights, randomised norms and biases,
-vocab 300 so Megatron pads it to 384); the engine loads the safetensors checkpoints
-in a spawned rank and returns its logits / log-probs / entropy for one left- and
-right-padded batch.
+The HF models (random weights, randomised norms and biases, vocab 300 so Megatron pads
+it to 384 at TP1, 512 at TP2) and the job live in `_engine_jobs`. One 4-process job switches
+through the layouts (DP fills the remaining ranks) and returns, per layout and model,
+the full logits, log-probs / entropy (computed from the vocab-parallel logits without
+gathering the vocab) and one SFT step at lr = 0 on the DP shares: its loss, grad norm
+and gradients; plus one PPO update of the Qwen2 model. The reference is HF (logits,
+log-softmax, autograd here) and, for PPO, the TP1PP1 layout.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from _engine_spawn import run_spawned
-from _engine_workers import forward_outputs
+from _engine_jobs import LAYOUTS, MATRIX_MODELS, MATRIX_ROWS, PROMPT, RESPONSE, WORLD_SIZE, matrix_job
 
 pytestmark = pytest.mark.dist
-
-TINY = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.1,
-    attn_implementation="eager",
-)
-MODELS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, rope_theta=5000.0)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=16)),
-}
-PROMPT, RESPONSE = 6, 7
-
-
-def _batch() -> dict:
-    gen = torch.Generator().manual_seed(11)
-    rows = 5
-    input_ids = torch.randint(0, 300, (rows, PROMPT + RESPONSE), generator=gen)
-    mask = torch.ones(rows, PROMPT + RESPONSE, dtype=torch.long)
-    for row, (left_pad, right_pad) in enumerate([(0, 0), (2, 3), (5, 0), (1, 6), (3, 1)]):
-        mask[row, :left_pad] = 0
-        mask[row, PROMPT + RESPONSE - right_pad :] = 0
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+MODELS, ROWS = MATRIX_MODELS, MATRIX_ROWS
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    models, checkpoints = {}, {}
-    for name, (config_cls, model_cls, extra) in MODELS.items():
-        torch.manual_seed(len(name))
-        model = model_cls(config_cls(**TINY, **extra)).eval()
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if "norm" in param_name or param_name.endswith("bias"):
-                    param.uniform_(0.5, 1.5)
-        model.save_pretrained(root / name)
-        models[name], checkpoints[name] = model, str(root / name)
-    batch = _batch()
-    (results,) = run_spawned(forward_outputs, checkpoints=checkpoints, batch=batch, response_length=RESPONSE)
-    return models, batch, results
+def job():
+    return matrix_job()
 
 
-def _hf_logits(model, batch) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**batch).logits.double()
+@pytest.fixture(scope="module")
+def models(job):
+    return job["models"], job["checkpoints"], job["batch"]
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_logits_match_hf_with_left_padding(setup, name):
-    models, batch, results = setup
-    assert results[name]["padded_vocab"] == 384
-    ours = results[name]["logits"].double()
-    reference = _hf_logits(models[name], batch)
+@pytest.fixture(scope="module")
+def results(job) -> list[dict]:
+    """Every rank's {layout: outputs} from the one job."""
+    return job["out"]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(models):
+    """Per model: HF logits and the SFT loss / gradients by autograd (token-mean NLL over loss_mask)."""
+    hf_models, _, batch = models
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    reference = {}
+    for name, model in hf_models.items():
+        model.zero_grad()
+        logits = model(**inputs).logits
+        mask = batch["loss_mask"][:, 1:].float()
+        nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+        loss = (nll * mask).sum() / mask.sum()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+        reference[name] = {"logits": logits.detach().double(), "loss": loss.item(), "grads": grads, "norm": norm}
+    return reference
+
+
+def _check_same_on_every_rank(ranks: list[dict], name: str) -> None:
+    for out in ranks[1:]:
+        for key in ("logits", "log_probs", "entropy"):
+            assert torch.equal(out[name][key], ranks[0][name][key]), key
+        assert out[name]["sft"] == ranks[0][name]["sft"]
+
+
+def test_layouts_place_ranks_as_asked(results):
+    for layout, parallel in LAYOUTS.items():
+        where = [r[layout]["where"] for r in results]
+        assert {(w["tp_size"], w["pp_size"], w["dp_size"]) for w in where} == {
+            (parallel["tp"], parallel["pp"], WORLD_SIZE // (parallel["tp"] * parallel["pp"]))
+        }
+        assert sum(w["is_output"] for w in where) == where[0]["dp_size"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_and_log_probs_match_hf(models, results, hf_reference, layout):
+    _, _, batch = models
+    ranks = [r[layout] for r in results]
+    tp = LAYOUTS[layout]["tp"]
     valid = batch["attention_mask"].bool()
-    assert reference[valid].abs().max() > 0.5  # the comparison is not between near-zero logits
-    assert torch.allclose(ours[valid], reference[valid], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_log_probs_and_entropy_match_references(setup, name):
-    models, batch, results = setup
-    reference = _hf_logits(models[name], batch)[:, PROMPT - 1 : -1]  # position t predicts token t + 1
+    response_valid = batch["attention_mask"][:, PROMPT:].bool()
     targets = batch["input_ids"][:, PROMPT:]
-    valid = batch["attention_mask"][:, PROMPT:].bool()
-    for temperature, key in ((1.0, "log_probs"), (0.7, "log_probs_t07")):
-        expected = torch.log_softmax(reference / temperature, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        got = results[name][key]
-        assert got.shape == (5, RESPONSE) and got.dtype == torch.float32
-        assert torch.allclose(got.double()[valid], expected[valid], atol=1e-5, rtol=0), key
-    # Plain entropy: -sum_v p_v log p_v over the real vocab only (padding columns masked).
-    probs = torch.softmax(reference, -1)
-    entropy = -(probs * probs.log()).sum(-1)
-    assert torch.allclose(results[name]["entropy"].double()[valid], entropy[valid], atol=1e-5, rtol=0)
-    assert results[name]["entropy_t07"] is None
+    for name in MODELS:
+        _check_same_on_every_rank(ranks, name)
+        ours = ranks[0][name]
+        assert ours["padded_vocab"] == {1: 384, 2: 512}[tp]  # next multiple of 128 * TP
+        reference = hf_reference[name]["logits"]
+        assert reference[valid].abs().max() > 0.5  # the comparison is not between near-zero logits
+        assert torch.allclose(ours["logits"].double()[valid], reference[valid], atol=1e-5, rtol=0), name
+        shifted = reference[:, PROMPT - 1 : -1]  # position t predicts token t + 1
+        for temperature, key in ((1.0, "log_probs"), (0.7, "log_probs_t07")):
+            expected = torch.log_softmax(shifted / temperature, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            got = ours[key]
+            assert got.shape == (ROWS, RESPONSE) and got.dtype == torch.float32
+            assert torch.allclose(got.double()[response_valid], expected[response_valid], atol=1e-5, rtol=0), key
+        # Plain entropy: -sum_v p_v log p_v over the real vocab only (padding columns masked).
+        probs = torch.softmax(shifted, -1)
+        entropy = -(probs * probs.log()).sum(-1)
+        assert torch.allclose(ours["entropy"].double()[response_valid], entropy[response_valid], atol=1e-5, rtol=0)
+        assert ours["entropy_t07"] is None
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sft_step_matches_hf_autograd_and_tp1pp1(results, hf_reference, layout):
+    for ranks in results:
+        out, base = ranks[layout], ranks["tp1pp1"]
+        for name in MODELS:
+            reference = hf_reference[name]
+            scale = max(g.abs().max() for g in reference["grads"].values())
+            sft, grads = out[name]["sft"], out[name]["grads"]
+            assert sft["sft/loss"] == pytest.approx(reference["loss"], abs=1e-5), name
+            assert sft["sft/grad_norm"] == pytest.approx(reference["norm"], rel=1e-4), name
+            assert sft["sft/loss"] == pytest.approx(base[name]["sft"]["sft/loss"], abs=1e-6), name
+            assert sft["sft/grad_norm"] == pytest.approx(base[name]["sft"]["sft/grad_norm"], rel=1e-5), name
+            assert set(grads) == {n for n in reference["grads"] if n != "lm_head.weight" or name != "qwen2"}
+            for param, grad in grads.items():
+                assert torch.allclose(grad, reference["grads"][param], atol=1e-5 * scale, rtol=1e-4), (name, param)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "tp1pp1"])
+def test_ppo_update_matches_tp1pp1(results, layout):
+    for ranks in results:
+        out, base = ranks[layout]["ppo"], ranks["tp1pp1"]["ppo"]
+        assert base["metrics"]["actor/pg_clipfrac"] > 0  # the clipped branch is exercised
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm"):
+            assert out["metrics"][key] == pytest.approx(base["metrics"][key], rel=1e-4, abs=1e-6), key
+        scale = max(g.abs().max() for g in base["grads"].values())
+        for name, grad in base["grads"].items():
+            assert torch.allclose(out["grads"][name], grad, atol=1e-5 * scale, rtol=1e-4), (layout, name)

@@ -1,6 +1,8 @@
-"""HF <-> Megatron layout maps and TP/PP/VPP sharding: exact round trips, hand-checked packing."""
+"""HF <-> Megatron layout maps and TP/PP/VPP/EP sharding: exact round trips, hand-checked packing."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -11,12 +13,14 @@ from megarl.models import (
     arch_from_hf,
     global_layer_index,
     hf_param_shapes,
+    is_expert,
     hf_to_megatron,
     megatron_to_hf,
     merge_shards,
     padded_vocab_size,
     random_hf_state_dict,
     shard_for_rank,
+    tp_split_dim,
     transformer_kwargs,
 )
 
@@ -181,3 +185,79 @@ def test_bad_configs_raise_input_error_naming_the_value():
     assert "'num_hidden_layers'" in text and "'hidden_size'" in text
     with pytest.raises(InputError, match="hidden_act='gelu'"):
         arch_from_hf({"model_type": "llama", **TINY, "hidden_act": "gelu"})
+
+
+MOE = dict(
+    TINY,
+    head_dim=16,
+    moe_intermediate_size=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+
+
+def test_qwen3_moe_round_trip_matches_the_hf_checkpoint_format(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(1)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MOE))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_()
+    model.save_pretrained(tmp_path)
+    on_disk = load_file(str(tmp_path / "model.safetensors"))  # one tensor per expert and projection
+    arch = arch_from_hf(model.config.to_dict())
+    assert (arch.num_experts, arch.moe_ffn_hidden_size, arch.moe_router_topk, arch.moe_norm_topk_prob) == (4, 32, 2, True)
+    assert set(hf_param_shapes(arch)) == set(on_disk)
+    # In memory, transformers 5 fuses the experts; both forms convert to the same Megatron tensors.
+    from_memory = hf_to_megatron(model.state_dict(), arch, padded_vocab=384)
+    from_disk = hf_to_megatron(on_disk, arch, padded_vocab=384)
+    assert set(from_memory) == set(from_disk)
+    for name, tensor in from_disk.items():
+        assert torch.equal(from_memory[name], tensor), name
+    expert = "decoder.layers.1.mlp.experts.local_experts.3."
+    assert torch.equal(from_disk[expert + "linear_fc1.weight"][:32], on_disk["model.layers.1.mlp.experts.3.gate_proj.weight"])
+    assert torch.equal(from_disk[expert + "linear_fc2.weight"], on_disk["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(from_disk["decoder.layers.0.mlp.router.weight"], on_disk["model.layers.0.mlp.gate.weight"])
+    back = megatron_to_hf(from_disk, arch)
+    assert set(back) == set(on_disk)
+    for name, tensor in on_disk.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_expert_parallel_shards_hold_contiguous_expert_blocks():
+    arch = arch_from_hf({"model_type": "qwen3_moe", **MOE})
+    full = hf_to_megatron(random_hf_state_dict(arch, seed=2), arch, padded_vocab=512)
+    layout = dict(num_layers=2, tie_word_embeddings=False, tp_size=2, pp_size=2)
+    shards = {}
+    for tp_rank, pp_rank, ep_rank in itertools.product(range(2), range(2), range(2)):
+        (chunk,) = shard_for_rank(full, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank, ep_size=2, **layout)
+        shards[(tp_rank, pp_rank, 0, ep_rank)] = chunk
+    # EP rank 1 of PP stage 1 holds global experts 2 and 3 of layer 1 as local 0 and 1, unsplit by TP.
+    chunk = shards[(1, 1, 0, 1)]
+    local = sorted({n.split(".")[6] for n in chunk if is_expert(n)})
+    assert local == ["0", "1"]
+    for e in (0, 1):
+        name = f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"
+        assert tp_split_dim(name) is None
+        assert torch.equal(chunk[name], full[f"decoder.layers.1.mlp.experts.local_experts.{e + 2}.linear_fc1.weight"])
+    assert torch.equal(chunk["decoder.layers.0.mlp.router.weight"], full["decoder.layers.1.mlp.router.weight"])
+    merged = merge_shards(shards, ep_size=2, **layout)
+    assert set(merged) == set(full)
+    for name, tensor in full.items():
+        assert torch.equal(merged[name], tensor), name
+
+
+def test_moe_configs_outside_the_mapped_subset_are_input_errors():
+    with pytest.raises(InputError, match="decoder_sparse_step=2"):
+        arch_from_hf({"model_type": "qwen3_moe", **MOE, "decoder_sparse_step": 2})
+    with pytest.raises(InputError, match=r"mlp_only_layers=\[0\]"):
+        arch_from_hf({"model_type": "qwen3_moe", **MOE, "mlp_only_layers": [0]})
+    with pytest.raises(InputError, match="num_experts_per_tok=5"):
+        arch_from_hf({"model_type": "qwen3_moe", **MOE, "num_experts_per_tok": 5})
+    missing = {k: v for k, v in MOE.items() if k != "moe_intermediate_size"}
+    with pytest.raises(InputError, match="'moe_intermediate_size'"):
+        arch_from_hf({"model_type": "qwen3_moe", **missing})

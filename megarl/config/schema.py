@@ -87,6 +87,12 @@ class RolloutConfig(Section):
     mem_fraction: float = Field(0.8, gt=0.0, le=1.0, description="share of accelerator memory a server may take")
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang server arguments, passed through")
     engine_threads: PositiveInt = Field(1, description="torch threads of one CPU engine")
+    routing: Literal["client", "router"] = Field(
+        "client", description="spread generation requests in megarl's client, or through sglang-router"
+    )
+    router_policy: Literal["random", "round_robin", "cache_aware", "power_of_two"] = Field(
+        "cache_aware", description="sglang-router load-balancing policy (routing: router)"
+    )
 
     @field_validator("top_k")
     @classmethod

@@ -105,7 +105,61 @@ class MegatronWorker:
         )
         return metrics if self._is_output() else None
 
-    def push_weights(self, *, urls: list[str], api_key: str | None, version: int) -> dict[str, float] | None:
+    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full HF-named weights (collective over TP/PP); returned by rank 0 only."""
+        named = self.engine.hf_state_dict()
+        return named if self.rank == 0 else None
+
+    def load_hf_state_dict(self, named: dict[str, torch.Tensor]) -> None:
+        self.engine.load_hf_state_dict(named)
+
+    def reset_optimizer_state(self) -> None:
+        """Forget Adam moments (e.g. after the SFT warm-up) so they do not leak into RL updates."""
+        optimizer = self.engine.train.optimizer
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner.optimizer.state.clear()
+
+    def push_weights(
+        self,
+        *,
+        urls: list[str],
+        api_key: str | None,
+        version: int,
+        transport: str | None = None,
+        bucket_mb: float = 512,
+        verify: str = "none",
+        timeout_s: float = 600.0,
+        disk_dir: str | None = None,
+    ) -> dict[str, float] | None:
+        """Load this policy's weights into every server in `urls` under `version`; metrics on rank 0, else None.
+
+        Collective over all ranks. `transport` None is weight sync v1 (every rank gathers the
+        full HF state dict, rank 0 sends it in one request). "tensor", "distributed" or "disk"
+        (`recipe.weight_sync`) reshard bucket by bucket through `megarl.weightsync`: each PP
+        stage gathers its buckets over TP and its sender pushes them, stages in parallel.
+        """
+        if transport is None:
+            return self._push_weights_v1(urls=urls, api_key=api_key, version=version)
+        from megarl.engines.distributed import parallel_layout
+        from megarl.weightsync.engine_sync import EngineWeightSync
+        from megarl.weightsync.groups import RankCoords
+
+        if getattr(self, "_weight_sync", None) is None:
+            self._weight_sync = EngineWeightSync()
+        model = self.engine.model
+        return self._weight_sync.push(
+            chunks=model.chunks, arch=model.arch, padded_vocab=model.padded_vocab,
+            coords=RankCoords.from_layout(parallel_layout()), urls=urls, api_key=api_key, version=version,
+            transport=transport, bucket_mb=bucket_mb, verify=verify, timeout_s=timeout_s, disk_dir=disk_dir,
+        )
+
+    def close_weight_sync(self) -> None:
+        """Leave the servers' weight-update groups and close the sync clients (before the servers stop)."""
+        if getattr(self, "_weight_sync", None) is not None:
+            self._weight_sync.close()
+            self._weight_sync = None
+
+    def _push_weights_v1(self, *, urls: list[str], api_key: str | None, version: int) -> dict[str, float] | None:
         """Weight sync v1: gather HF-named tensors (collective), rank 0 sends them to every server."""
         named = self.engine.hf_state_dict()
         if self.rank != 0:

@@ -49,9 +49,8 @@ def start_rollout_fleet(
         top_p=rollout.top_p,
         top_k=rollout.top_k,
         max_concurrency=rollout.max_concurrency,
-        # `rollout.routing` / `rollout.router_policy` are requested recipe fields; client routing until they exist.
-        routing=getattr(rollout, "routing", "client"),
-        router_policy=getattr(rollout, "router_policy", "cache_aware"),
+        routing=rollout.routing,
+        router_policy=rollout.router_policy,
         use_ray=True,
         slots=[pool.slot(rank) for rank in range(rollout.num_servers * rollout.tp)],
         actor_options=actor_options,

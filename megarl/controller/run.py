@@ -106,6 +106,10 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
         reference = PolicyRole(ref_group, logprob_micro_batch_size=logprob_mbs)
     if recipe.sft_warmup.steps > 0:
         run_sft_warmup(actor, data, recipe, tracker)
+        if reference is not None:
+            # The reference is the policy RL starts from: the warmed-up weights, not the initial ones.
+            named = next(sd for sd in actor_group.run("hf_state_dict") if sd is not None)
+            ref_group.run("load_hf_state_dict", named)
     api_key = secrets.token_hex(16)
     fleet = _start_fleet(recipe, pool=pools["rollout"], weights=weights, data=data, api_key=api_key, run_dir=run_dir)
     cleanup.callback(fleet.shutdown)

@@ -1,8 +1,11 @@
-"""The synthetic `megarl/arithmetic` task: "What is a + b?" in GSM8K row format.
+"""The synthetic `megarl/arithmetic` task: "07+45=?" in GSM8K row format.
 
 A task small models can learn on CPU in minutes, scored by the GSM8K strict
 scorer. Responses are short on purpose: the reference solution is exactly
-`#### <sum>`, which is also what the optional SFT warm-up teaches.
+`#### <sum>`, which is also what the optional SFT warm-up teaches. Operands are
+zero-padded to a fixed width and placed right before the answer, so every digit
+sits at a fixed distance from the answer tokens: a tiny model finds the digits
+by position quickly, and what is left to learn is the arithmetic (the carry).
 """
 
 from __future__ import annotations
@@ -51,15 +54,16 @@ def arithmetic_rows(
     start_index: int = 0,
     exclude_pairs: Collection[tuple[int, int]] = (),
 ) -> list[dict]:
-    """`num` GSM8K-format rows of "What is a + b?" for the pairs of `arithmetic_pairs` (same arguments)."""
+    """`num` GSM8K-format rows of "a+b=?" for the pairs of `arithmetic_pairs` (same arguments)."""
     rows = []
+    width = len(str(max_operand))
     pairs = arithmetic_pairs(num, seed=seed, split=split, max_operand=max_operand, exclude_pairs=exclude_pairs)
     for offset, (a, b) in enumerate(pairs):
-        question = f"What is {a} + {b}?"
+        question = f"{a:0{width}d}+{b:0{width}d}=?"
         rows.append(
             make_row(
                 data_source=DATA_SOURCE,
-                prompt_text=f"{question} {INSTRUCTION}",
+                prompt_text=f"{INSTRUCTION} {question}",
                 ground_truth=str(a + b),
                 split=split,
                 index=start_index + offset,

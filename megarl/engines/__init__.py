@@ -1,9 +1,11 @@
 """Megatron-core engines: the only package that imports megatron.core.
 
-`distributed` sets up process groups, `gpt` builds GPT models from HF configs and
-moves HF weights in and out, `logprobs` computes token log-probs/entropy from
-vocab-parallel logits, `schedule` runs megatron's pipeline schedule over micro-batches,
-`optim` holds optimizer + LR schedule, and `actor.PolicyEngine` is the actor/reference.
+`distributed` sets up process groups, `gpt` builds GPT (incl. MoE) models from HF
+configs, `hf_weights` moves HF weights in and out, `checkpoint` saves/loads distributed
+checkpoints at any layout and `export` turns one into an HF checkpoint, `logprobs`
+computes token log-probs/entropy from vocab-parallel logits, `packing` + `schedule`
+build (packed) micro-batches and run megatron's pipeline schedule over them, `optim`
+holds optimizer + LR schedule, and `actor.PolicyEngine` is the actor/reference.
 On a CPU-only machine `cpu_compat` makes megatron run there; importing this package
 installs its process-wide torch.cuda stubs first, so they precede every megatron import.
 """

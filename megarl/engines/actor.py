@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+from pathlib import Path
 
 import torch
 
-from megarl.engines import cpu_compat, gpt
+from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights
 from megarl.engines.losses import (
     PPOSettings,
     dp_sum,
@@ -27,7 +28,13 @@ from megarl.engines.losses import (
     sft_loss,
 )
 from megarl.engines.optim import TrainState, build_train_state
-from megarl.engines.schedule import broadcast_from_last_stage, is_output_stage, num_micro_batches, run_schedule
+from megarl.engines.schedule import (
+    MicroBatches,
+    broadcast_from_last_stage,
+    is_output_stage,
+    make_micro_batches,
+    run_schedule,
+)
 
 Tensor = torch.Tensor
 
@@ -52,13 +59,18 @@ class PolicyEngine:
         schedule: str = "constant",
         min_lr: float = 0.0,
         total_steps: int | None = None,
+        tokenizer_path: str | None = None,
     ):
         """`weights`: an HF checkpoint dir, an HF state dict, or None for random weights from `seed`.
 
         `trainable=False` builds a frozen reference (no optimizer; the optimizer arguments are ignored).
+        `tokenizer_path` is recorded in checkpoints for export (default: `weights` when it is a dir).
         """
         cpu_compat.install()
-        self.model = gpt.build_gpt(hf_config, weights=weights, seed=seed, params_dtype=params_dtype)
+        self.hf_config = dict(hf_config)
+        self.tokenizer_path = tokenizer_path or (str(weights) if isinstance(weights, (str, Path)) else None)
+        self.model = gpt.build_gpt(hf_config, params_dtype=params_dtype)
+        hf_weights.load_hf_weights(self.model, weights, seed=seed)
         self.peak_lr = lr
         self.train: TrainState | None = None
         self._update_calls = 0
@@ -102,10 +114,13 @@ class PolicyEngine:
         temperature: float,
         micro_batch_size: int,
         with_entropy: bool,
+        max_tokens_per_microbatch: int | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """(log_probs [B, R], entropy [B, R] or None), float32 CPU, on every rank.
 
-        Values at response padding positions are computed but meaningless (mask them).
+        `max_tokens_per_microbatch` packs sequences into micro-batches of at most that
+        many tokens instead of `micro_batch_size` padded rows (collective over DP).
+        Values at response padding positions are meaningless (mask them).
         """
         cpu_compat.install()
         self._set_mode(False)
@@ -126,18 +141,26 @@ class PolicyEngine:
             }
 
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        micro = self._micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
         with torch.no_grad():
-            outputs = run_schedule(
-                self._chunks, batch, micro_batch_size=micro_batch_size, loss_fn=loss_fn, forward_only=True
-            )
+            outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=True)
         shape = (rows, response_length)
-        log_probs = torch.cat([o["log_probs"] for o in outputs])[:rows] if is_output_stage() else None
-        log_probs = broadcast_from_last_stage(log_probs, shape)
-        entropy = None
-        if with_entropy:
-            entropy = torch.cat([o["entropy"] for o in outputs])[:rows] if is_output_stage() else None
-            entropy = broadcast_from_last_stage(entropy, shape)
-        return log_probs, entropy
+
+        def collect(key: str) -> Tensor:
+            values = micro.scatter_rows([o[key] for o in outputs], rows) if is_output_stage() else None
+            return broadcast_from_last_stage(values, shape)
+
+        return collect("log_probs"), collect("entropy") if with_entropy else None
+
+    def _micro_batches(
+        self, batch: dict[str, Tensor], micro_batch_size: int, max_tokens_per_microbatch: int | None
+    ) -> MicroBatches:
+        return make_micro_batches(
+            batch,
+            micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            num_chunks=len(self._chunks),
+        )
 
     # ------------------------------------------------------------------ training
 
@@ -170,12 +193,14 @@ class PolicyEngine:
         use_kl_loss: bool = False,
         kl_loss_coef: float = 0.0,
         kl_loss_type: str = "low_var_kl",
+        max_tokens_per_microbatch: int | None = None,
     ) -> dict[str, float]:
         """PPO epochs x (shuffled) mini-batches of this DP rank's share; one optimizer step per mini-batch.
 
         The response length is `response_mask.shape[1]`. `mini_batch_size` is per DP rank
         (default: the whole share). Losses of a mini-batch are normalised by its global token /
-        sequence counts (all DP ranks), so the gradient does not depend on the micro-batch split.
+        sequence counts (all DP ranks), so the gradient does not depend on the micro-batch split,
+        nor on packing (`max_tokens_per_microbatch`, as in `compute_log_prob`).
         Returns the mean over mini-batches of actor/{pg_loss, pg_clipfrac, ppo_kl,
         pg_clipfrac_lower, entropy, grad_norm, lr} (+ actor/kl_loss), identical on every rank.
         """
@@ -213,16 +238,17 @@ class PolicyEngine:
             order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
             for start in range(0, rows, mini_batch_size):
                 mini = {key: value[order[start : start + mini_batch_size]] for key, value in data.items()}
-                history.append(self._ppo_mini_batch(train, mini, response_length, temperature, micro_batch_size, ppo))
+                micro = self._micro_batches(mini, micro_batch_size, max_tokens_per_microbatch)
+                history.append(self._ppo_mini_batch(train, mini, micro, response_length, temperature, ppo))
         return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
 
     def _ppo_mini_batch(
         self,
         train: TrainState,
         mini: dict[str, Tensor],
+        micro: MicroBatches,
         response_length: int,
         temperature: float,
-        micro_batch_size: int,
         ppo: PPOSettings,
     ) -> dict[str, float]:
         """One optimizer step on one mini-batch; its metrics (same on every rank)."""
@@ -232,14 +258,12 @@ class PolicyEngine:
             model=self.model,
             response_length=response_length,
             temperature=temperature,
-            scale=loss_scale(num_micro_batches(mini["input_ids"].shape[0], micro_batch_size, len(self._chunks))),
+            scale=loss_scale(len(micro)),
             normalisers={"global_tokens": max(tokens, 1.0), "global_seqs": max(seqs, 1.0)},
             ppo=ppo,
         )
         train.zero_grad()
-        outputs = run_schedule(
-            self._chunks, mini, micro_batch_size=micro_batch_size, loss_fn=loss_fn, forward_only=False
-        )
+        outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=False)
         grad_norm, lr = train.step()
         return {**reduce_ppo_metrics(outputs, with_kl=ppo.use_kl_loss), "actor/grad_norm": grad_norm, "actor/lr": lr}
 
@@ -252,32 +276,29 @@ class PolicyEngine:
         loss_mask: Tensor,
         micro_batch_size: int,
         lr: float | None = None,
+        max_tokens_per_microbatch: int | None = None,
     ) -> dict[str, float]:
         """One supervised step: token-mean NLL of the tokens where `loss_mask` [B, S] is 1.
 
         Token t is predicted from tokens < t (so loss_mask[:, 0] is ignored). Uses `lr`
         (default: the engine's peak lr) and does not advance the RL LR schedule.
+        `max_tokens_per_microbatch` packs sequences as in `compute_log_prob`.
         Returns sft/loss (before the step), sft/grad_norm, sft/lr, sft/tokens.
         """
         train = self._require_trainable()
         cpu_compat.install()
         self._set_mode(True)
         tokens = max(float(dp_sum(loss_mask[:, 1:].float().sum().item())), 1.0)
-        loss_fn = functools.partial(
-            sft_loss,
-            model=self.model,
-            tokens=tokens,
-            scale=loss_scale(num_micro_batches(input_ids.shape[0], micro_batch_size, len(self._chunks))),
-        )
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        batch = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "loss_mask": loss_mask,
+        }
+        micro = self._micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
+        loss_fn = functools.partial(sft_loss, model=self.model, tokens=tokens, scale=loss_scale(len(micro)))
         train.zero_grad()
-        outputs = run_schedule(
-            self._chunks,
-            {**batch, "loss_mask": loss_mask},
-            micro_batch_size=micro_batch_size,
-            loss_fn=loss_fn,
-            forward_only=False,
-        )
+        outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=False)
         lr = self.peak_lr if lr is None else lr
         grad_norm = train.step_with_lr(lr)
         return {
@@ -292,12 +313,38 @@ class PolicyEngine:
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Full HF-named float32 CPU weights on every rank (collective over TP and PP)."""
         cpu_compat.install()
-        return gpt.hf_state_dict(self.model)
+        return hf_weights.hf_state_dict(self.model)
 
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the weights with a full HF state dict (every rank passes the same one)."""
         cpu_compat.install()
-        gpt.load_hf_state_dict(self.model, state_dict)
+        hf_weights.load_hf_state_dict(self.model, state_dict)
         if self.train is not None:
             # A bf16 model trains fp32 main copies inside the optimizer: refresh them too.
             self.train.optimizer.reload_model_params()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, ckpt_dir: str | Path, *, tokenizer_path: str | None = None) -> Path:
+        """Save weights (+ optimizer and LR schedule when trainable) to `ckpt_dir`; collective.
+
+        Loadable at any parallel layout; `export_checkpoint` turns it into an HF checkpoint.
+        `tokenizer_path` overrides the one given at construction.
+        """
+        cpu_compat.install()
+        return checkpoint.save_checkpoint(
+            self.model,
+            self.train,
+            ckpt_dir,
+            hf_config=self.hf_config,
+            tokenizer_path=tokenizer_path or self.tokenizer_path,
+            engine_state={"update_calls": self._update_calls},
+        )
+
+    def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool = True) -> None:
+        """Load a checkpoint saved at any layout; collective. `load_optimizer=False` restores
+        only the weights (the optimizer and LR schedule keep their current state)."""
+        cpu_compat.install()
+        engine_state = checkpoint.load_checkpoint(self.model, self.train, ckpt_dir, load_optimizer=load_optimizer)
+        if load_optimizer:
+            self._update_calls = int(engine_state.get("update_calls", self._update_calls))

@@ -3,9 +3,10 @@
 Megatron-core hard-codes CUDA in dozens of call sites (`device=torch.cuda.current_device()`,
 `tensor.cuda()`, CUDA RNG state, streams/events, `param.type() == 'torch.cuda.FloatTensor'`).
 No config flag avoids them, so on a machine without CUDA `install()` rewrites them to
-CPU: a TorchFunctionMode for device arguments plus a few `torch.cuda` stubs and two
-megatron RNG hooks. Call it before importing megatron; it is idempotent and a no-op
-when CUDA is available (GPU runs use megatron unmodified with NCCL).
+CPU: a TorchFunctionMode for device arguments plus a few `torch.cuda` stubs, two
+megatron RNG hooks and the MoE all-to-all's split sizes as lists for gloo. Call it
+before importing megatron; it is idempotent and a no-op when CUDA is available (GPU
+runs use megatron unmodified with NCCL).
 
 The function mode lives on a thread-local stack in torch, so `install()` pushes it on
 the calling thread only; engines call it again at every entry point (cheap) because
@@ -182,13 +183,29 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device=-1, graph_safe=False) -> 
     torch.default_generator.set_state(new_state)
 
 
+def _as_int_list(split_sizes):
+    if split_sizes is None or isinstance(split_sizes, list):
+        return split_sizes
+    return [int(size) for size in split_sizes]
+
+
 def _install_megatron_hooks() -> None:
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as tp_random
 
     # The RNG tracker reads/writes generator state through these private helpers, which
     # go straight to torch.cuda.default_generators (empty on a CPU build).
     tp_random._get_cuda_rng_state = _cpu_rng_state
     tp_random._set_cuda_rng_state = _set_cpu_rng_state
+
+    # The MoE all-to-all token dispatcher passes its split sizes as tensors; gloo's
+    # all_to_all_single only takes Python int sequences.
+    all_to_all_forward = mappings._AllToAll.forward
+
+    def forward(ctx, group, input, output_split_sizes, input_split_sizes):
+        return all_to_all_forward(ctx, group, input, _as_int_list(output_split_sizes), _as_int_list(input_split_sizes))
+
+    mappings._AllToAll.forward = staticmethod(forward)
 
 
 def _mode_active() -> bool:

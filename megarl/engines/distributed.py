@@ -36,17 +36,9 @@ def init_distributed(
     `vpp` is the number of virtual pipeline chunks per PP rank (None or 1 = no VPP);
     `seed` seeds megatron's model-parallel RNG tracker (dropout streams), not weights.
     `local_rank` picks the GPU (default: rank modulo the visible device count).
+    `ep` splits the experts of MoE layers over `ep` ranks of the TP x DP ranks of a stage.
     """
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp}*{pp}")
-    if vpp is not None and vpp > 1 and pp == 1:
-        raise ValueError(f"vpp={vpp} needs pp > 1 (got pp={pp})")
     cpu_compat.install()
-    # Importing megatron only after the compat layer is in place (its modules capture
-    # torch.cuda helpers at import time).
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
     if torch.cuda.is_available():
         device_index = local_rank if local_rank is not None else rank % torch.cuda.device_count()
         torch.cuda.set_device(device_index)
@@ -61,11 +53,41 @@ def init_distributed(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+    set_model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, timeout_s=timeout_s, seed=seed)
+
+
+def set_model_parallel(
+    *, tp: int, pp: int, vpp: int | None = None, ep: int = 1, timeout_s: int = 600, seed: int = 1234
+) -> None:
+    """(Re)initialise megatron's TP/PP/DP/EP groups and RNG tracker on the existing process group.
+
+    Collective over all ranks. Calling it again switches the layout: engines built before
+    keep references to the old groups and must not be used afterwards. Tests and the
+    benchmark use this to run several layouts in one set of processes (start-up dominates).
+    Experts are never TP-split (expert TP = 1): expert-TP > 1 needs the allgather token
+    dispatcher on gloo, which cannot handle packed (variable-length) micro-batches.
+    """
+    world_size = torch.distributed.get_world_size()
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp}*{pp}")
+    if vpp is not None and vpp > 1 and pp == 1:
+        raise ValueError(f"vpp={vpp} needs pp > 1 (got pp={pp})")
+    if (world_size // pp) % ep != 0:
+        raise ValueError(f"ep={ep} must divide tp*dp={world_size // pp} (world_size={world_size}, pp={pp})")
+    cpu_compat.install()
+    # Importing megatron only after the compat layer is in place (its modules capture
+    # torch.cuda helpers at import time).
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
         expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=max(1, timeout_s // 60),
     )
     model_parallel_cuda_manual_seed(seed)

@@ -1,19 +1,17 @@
-"""Build Megatron GPT models for this rank from an HF config, and move HF weights in and out.
+"""Build the Megatron GPT model chunks of this rank from an HF config.
 
-`build_gpt` creates the model chunks this (TP rank, PP rank) holds (one per VPP chunk;
-the embedding only on the first chunk, the output layer only on the last) with the
-local layer spec, then loads HF weights (a safetensors dir, an in-memory state dict,
-or seeded random weights generated in HF layout so a seed means the same model at
-every parallel layout). `hf_state_dict` is the inverse: every rank ends up
-with the full HF-named float32 CPU state dict (TP shards all-gathered, PP stages
-broadcast), which weight sync v1 and checkpoint export use.
+`build_gpt` creates the chunks this (TP, PP, EP) rank holds (one per VPP chunk; the
+embedding only on the first chunk, the output layer only on the last; a rank's block
+of experts for MoE families) with megatron's local (non-TE) layer spec, its
+TransformerConfig and RoPE at the caller's position ids. The weights are left
+uninitialised: `hf_weights` loads HF weights into them, `checkpoint` a distributed
+checkpoint.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +19,12 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megarl.models.layout import hf_to_megatron, megatron_to_hf, padded_vocab_size, random_hf_state_dict
-from megarl.models.sharding import merge_shards, merge_tensor, shard_for_rank, stage_roles, tp_split_dim
+from megarl.engines.attention import PackedDotProductAttention
+from megarl.models.layout import padded_vocab_size
+from megarl.models.sharding import stage_roles, tp_split_dim
 from megarl.models.spec import Arch, arch_from_hf
 
 Tensor = torch.Tensor
@@ -99,7 +99,99 @@ def transformer_config(arch: Arch, *, params_dtype: torch.dtype) -> TransformerC
         persist_layer_norm=False,
         # Batched isend/irecv computes wrong VPP gradients on gloo (PLATFORM.md).
         batch_p2p_comm=False,
+        **_moe_config(arch),
     )
+
+
+def _moe_config(arch: Arch) -> dict:
+    """TransformerConfig fields of a mixture-of-experts model (none for a dense one)."""
+    if not arch.is_moe:
+        return {}
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if tp > 1:
+        # Megatron's MoE layer refuses to train with TP but without sequence parallelism,
+        # which the engines do not run: scale MoE models with EP (and PP) instead.
+        raise ValueError(f"MoE models need tp=1 (got tp={tp}); split the experts with ep instead")
+    _allow_moe_without_te()
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size,
+        "moe_router_topk": arch.moe_router_topk,
+        # HF: softmax over all experts, top-k, renormalised only with norm_topk_prob.
+        # Megatron: pre-softmax = softmax then top-k; otherwise softmax over the top-k
+        # logits, which equals the renormalised probabilities.
+        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
+        "moe_router_load_balancing_type": "none",  # RL updates add no load-balancing loss
+        "moe_aux_loss_coeff": 0.0,
+        # All-to-all copes with packed (variable-length) micro-batches; expert-TP is 1
+        # (see distributed.set_model_parallel), so experts are never split over TP.
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": 1,
+    }
+
+
+def _allow_moe_without_te() -> None:
+    # megatron-core 0.16.1 reads `te_general_gemm` in the router's linear without defining it
+    # when transformer-engine is missing (NameError); None selects its plain torch path.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class PositionIdsRotary(torch.nn.Module):
+    """RoPE at the caller's `position_ids` instead of megatron's 0..S-1 for every row.
+
+    Megatron's GPTModel only uses position ids for learned absolute embeddings; its
+    RoPE always rotates by the index in the row. Packed rows hold several sequences whose
+    positions must restart at 0 (the block-diagonal mask alone would leave each sequence
+    rotated by its offset: equal in exact arithmetic, not in float32 at long offsets), and
+    left-padded rows then match HF's `cumsum - 1` positions exactly. A forward pre-hook on
+    the model hands this module the position ids of the current call.
+    """
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        if inner.rotary_interleaved or inner.seq_len_interpolation_factor is not None:
+            raise ValueError("PositionIdsRotary supports plain (non-interleaved, unscaled-sequence) RoPE only")
+        self.inner = inner
+        self.position_ids: Tensor | None = None
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> Tensor:
+        if self.position_ids is None:
+            return self.inner(max_seq_len, offset, packed_seq, cp_group)
+        inv_freq = self.inner.inv_freq.to(self.position_ids.device)
+        freqs = self.position_ids.to(inv_freq.dtype).unsqueeze(-1) * inv_freq  # [b, s, dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.transpose(0, 1).unsqueeze(2)  # [s, b, 1, dim], broadcast over heads
+
+
+def _remember_position_ids(rotary: PositionIdsRotary):
+    def hook(module, args, kwargs):
+        position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        rotary.position_ids = position_ids
+
+    return hook
+
+
+def _layer_spec(arch: Arch) -> ModuleSpec:
+    """Megatron's local layer spec with core attention that can run packed rows per sequence."""
+    spec = get_gpt_layer_local_spec(
+        num_experts=arch.num_experts or None,
+        moe_grouped_gemm=False,
+        qk_layernorm=arch.qk_layernorm,
+        normalization="RMSNorm",
+    )
+    attention = spec.submodules.self_attention
+    submodules = dataclasses.replace(attention.submodules, core_attention=PackedDotProductAttention)
+    self_attention = dataclasses.replace(attention, submodules=submodules)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention))
 
 
 def _build_chunk(arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_rank: int | None) -> GPTModel:
@@ -111,7 +203,7 @@ def _build_chunk(arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_r
     pre_process, post_process = stage_roles(pp_rank, pp_size, vpp_rank or 0, vpp_size)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm"),
+        transformer_layer_spec=_layer_spec(arch),
         vocab_size=padded_vocab,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -124,6 +216,8 @@ def _build_chunk(arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_r
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
         vp_stage=vpp_rank,
     )
+    model.rotary_pos_emb = PositionIdsRotary(model.rotary_pos_emb)
+    model.register_forward_pre_hook(_remember_position_ids(model.rotary_pos_emb), with_kwargs=True)
     # Megatron tags TP-split parameters only inside its weight initialisers, which we skip;
     # untagged, grad-norm and optimizer code would treat every shard as a TP replica.
     for name, param in model.named_parameters():
@@ -139,64 +233,10 @@ def _build_chunk(arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_r
     return model
 
 
-def read_hf_checkpoint(path: str | Path) -> dict[str, Tensor]:
-    """All tensors of an HF safetensors checkpoint dir (`model.safetensors` or a sharded index)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
-    state: dict[str, Tensor] = {}
-    for name in files:
-        state.update(load_file(str(path / name)))
-    return state
-
-
-def _tensor_state(chunk: GPTModel) -> dict[str, Tensor]:
-    # Megatron's state dict also carries `_extra_state` entries (None without TE).
-    return {name: value for name, value in chunk.state_dict().items() if isinstance(value, Tensor)}
-
-
-def load_hf_state_dict(model: GPTModelChunks, hf_sd: dict[str, Tensor]) -> None:
-    """Convert a full HF state dict to this rank's shards and copy it into the chunks."""
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    full = hf_to_megatron(hf_sd, model.arch, padded_vocab=model.padded_vocab)
-    shards = shard_for_rank(
-        full,
-        num_layers=model.arch.num_layers,
-        tie_word_embeddings=model.arch.tie_word_embeddings,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=tp_size,
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        vpp_size=len(model.chunks),
-    )
-    for chunk, shard in zip(model.chunks, shards):
-        target = _tensor_state(chunk)
-        if set(target) != set(shard):
-            raise ValueError(
-                f"weights do not fit the model chunk: missing {sorted(set(target) - set(shard))[:5]}, "
-                f"unexpected {sorted(set(shard) - set(target))[:5]}"
-            )
-        with torch.no_grad():
-            for name, tensor in shard.items():
-                target[name].copy_(tensor)
-
-
 def build_gpt(
-    hf_config: dict,
-    *,
-    weights: str | Path | dict[str, Tensor] | None = None,
-    seed: int = 0,
-    params_dtype: str | torch.dtype | None = None,
-    make_vocab_size_divisible_by: int = 128,
+    hf_config: dict, *, params_dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128
 ) -> GPTModelChunks:
-    """This rank's GPT chunks for `hf_config`, loaded with `weights` (or random weights from `seed`)."""
+    """This rank's GPT chunks for `hf_config` at the current parallel layout, weights uninitialised."""
     arch = arch_from_hf(hf_config)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     config = transformer_config(arch, params_dtype=resolve_dtype(params_dtype))
@@ -205,84 +245,4 @@ def build_gpt(
     )
     vpp_size = config.virtual_pipeline_model_parallel_size
     vpp_ranks = list(range(vpp_size)) if vpp_size else [None]
-    model = GPTModelChunks([_build_chunk(arch, config, padded_vocab, v) for v in vpp_ranks], arch, config, padded_vocab)
-    if weights is None:
-        hf_sd = random_hf_state_dict(arch, seed=seed)
-    elif isinstance(weights, dict):
-        hf_sd = weights
-    else:
-        hf_sd = read_hf_checkpoint(weights)
-    load_hf_state_dict(model, hf_sd)
-    return model
-
-
-def _flatten(tensors: list[Tensor], device) -> Tensor:
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float32, device=device)
-    return torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
-
-
-def _unflatten(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
-    sizes = [s.numel() for s in shapes]
-    return [part.reshape(shape).cpu() for part, shape in zip(flat.split(sizes), shapes)]
-
-
-def _tp_merged_chunks(model: GPTModelChunks, device: torch.device) -> dict[tuple[int, str], Tensor]:
-    """{(vpp chunk, name): full-TP tensor} of this rank's chunks: one all-gather of the flattened shards."""
-    local = [(v, name, t) for v, chunk in enumerate(model.chunks) for name, t in sorted(_tensor_state(chunk).items())]
-    shapes = [t.shape for _, _, t in local]
-    flat = _flatten([t for _, _, t in local], device)
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    if tp_size == 1:
-        return {(v, name): t for (v, name, _), t in zip(local, _unflatten(flat, shapes))}
-    gathered = [torch.empty_like(flat) for _ in range(tp_size)]
-    torch.distributed.all_gather(gathered, flat, group=parallel_state.get_tensor_model_parallel_group())
-    per_rank = [_unflatten(g, shapes) for g in gathered]
-    return {
-        (v, name): merge_tensor(name, [tensors[i] for tensors in per_rank])
-        if tp_split_dim(name) is not None
-        else per_rank[0][i]
-        for i, (v, name, _) in enumerate(local)
-    }
-
-
-def _broadcast_stage(mine: dict, src: int, device: torch.device) -> dict[tuple[int, str], Tensor]:
-    """PP rank `src`'s TP-merged chunks on every rank of the pipeline: names/shapes, then one flat buffer."""
-    group = parallel_state.get_pipeline_model_parallel_group()
-    src_global = torch.distributed.get_global_rank(group, src)
-    is_src = src == parallel_state.get_pipeline_model_parallel_rank()
-    meta = [[(key, t.shape) for key, t in mine.items()] if is_src else None]
-    torch.distributed.broadcast_object_list(meta, src=src_global, group=group)
-    shapes = [shape for _, shape in meta[0]]
-    data = (
-        _flatten(list(mine.values()), device)
-        if is_src
-        else torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=device)
-    )
-    torch.distributed.broadcast(data, src=src_global, group=group)
-    return {key: t for (key, _), t in zip(meta[0], _unflatten(data, shapes))}
-
-
-def hf_state_dict(model: GPTModelChunks) -> dict[str, Tensor]:
-    """The full HF state dict (float32, CPU) on every rank; a collective over the TP and PP groups.
-
-    One all-gather over TP of this rank's flattened shards, then each PP rank broadcasts its
-    TP-merged chunks to the others. DP replicas hold the same weights and do not talk.
-    """
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mine = _tp_merged_chunks(model, device)
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    stages = [mine] if pp_size == 1 else [_broadcast_stage(mine, src, device) for src in range(pp_size)]
-    shards = {}
-    for pp_rank, stage in enumerate(stages):
-        for (vpp_rank, name), tensor in stage.items():
-            shards.setdefault((0, pp_rank, vpp_rank), {})[name] = tensor
-    full = merge_shards(
-        shards,
-        num_layers=model.arch.num_layers,
-        tie_word_embeddings=model.arch.tie_word_embeddings,
-        tp_size=1,
-        pp_size=pp_size,
-        vpp_size=len(model.chunks),
-    )
-    return megatron_to_hf(full, model.arch)
+    return GPTModelChunks([_build_chunk(arch, config, padded_vocab, v) for v in vpp_ranks], arch, config, padded_vocab)

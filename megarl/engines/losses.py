@@ -59,15 +59,33 @@ def loss_scale(num_micro_batches: int) -> int:
 def response_log_probs(
     model: GPTModelChunks, mb: dict, logits: Tensor, *, response_length: int, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs [b, R] (and entropy) of the last R tokens: token t is predicted by the logits at t - 1."""
-    seq = logits.shape[1]
-    return token_log_probs(
-        logits[:, seq - response_length - 1 : seq - 1],
-        mb["input_ids"][:, seq - response_length :],
+    """Log-probs [n, R] (and entropy) of the last R tokens of each row: token t is predicted
+    by the logits at t - 1. Packed micro-batches (one row holding n sequences, see
+    `packing`) read those logits through `token_index`; positions whose token or
+    predecessor is padding come out as 0 there (unpacked: computed but meaningless)."""
+    common = dict(
         temperature=temperature,
         vocab_start=model.vocab_start,
         vocab_size=model.arch.vocab_size,
         with_entropy=with_entropy,
+    )
+    if "token_index" not in mb:
+        seq = logits.shape[1]
+        return token_log_probs(
+            logits[:, seq - response_length - 1 : seq - 1], mb["input_ids"][:, seq - response_length :], **common
+        )
+    index = mb["token_index"]
+    seq = index.shape[1]
+    target_at = index[:, seq - response_length :]
+    predictor_at = index[:, seq - response_length - 1 : seq - 1]
+    valid = (target_at >= 0) & (predictor_at >= 0)
+    log_probs, entropy = token_log_probs(
+        logits[0][predictor_at.clamp(min=0)], mb["input_ids"][0][target_at.clamp(min=0)], **common
+    )
+    zero = torch.zeros((), device=log_probs.device)
+    return (
+        torch.where(valid, log_probs, zero),
+        None if entropy is None else torch.where(valid, entropy, zero),
     )
 
 
@@ -116,7 +134,7 @@ def ppo_loss(
 def sft_loss(mb: dict, logits: Tensor, *, model: GPTModelChunks, tokens: float, scale: int) -> tuple[Tensor, dict]:
     """Summed NLL of the `loss_mask` tokens of one micro-batch / `tokens` (the global count), scaled."""
     log_probs, _ = response_log_probs(
-        model, mb, logits, response_length=logits.shape[1] - 1, temperature=1.0, with_entropy=False
+        model, mb, logits, response_length=mb["loss_mask"].shape[1] - 1, temperature=1.0, with_entropy=False
     )
     mask = mb["loss_mask"][:, 1:].float() * mb["valid_row"].unsqueeze(-1)
     loss = -(log_probs * mask).sum() / tokens

@@ -105,7 +105,8 @@ def build_train_state(
         max_lr=lr,
         min_lr=min_lr,
         lr_warmup_steps=warmup_steps,
-        lr_decay_steps=total_steps if total_steps else max(warmup_steps, 1),
+        # Megatron asserts warm-up < decay steps even for the constant style, which never decays.
+        lr_decay_steps=total_steps if total_steps else warmup_steps + 1,
         lr_decay_style=schedule,
         start_wd=weight_decay,
         end_wd=weight_decay,

@@ -4,7 +4,10 @@ Three layouts meet here:
 - HF: `model.layers.{i}.self_attn.q_proj.weight` ... (what checkpoints and SGLang use);
 - full Megatron: one GPTModel state dict with Megatron's local-spec names, QKV packed
   per query group ([q heads of the group, k, v] for each group), fc1 = [gate; up],
-  and the vocab padded to `padded_vocab_size` rows;
+  and the vocab padded to `padded_vocab_size` rows; MoE layers hold `mlp.router` and
+  `mlp.experts.local_experts.{e}` with global expert indices (the HF checkpoint layout
+  `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj`; transformers 5's in-memory fused
+  `experts.gate_up_proj` / `experts.down_proj` are accepted as input too);
 - a Megatron shard: what one (TP rank, PP rank, VPP chunk) model holds, with local
   layer indices.
 `hf_to_megatron`/`megatron_to_hf` here convert the first two; `sharding` splits the full
@@ -62,9 +65,16 @@ def hf_param_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (arch.head_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (arch.ffn_hidden_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (arch.ffn_hidden_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, arch.ffn_hidden_size)
+        if arch.is_moe:
+            shapes[p + "mlp.gate.weight"] = (arch.num_experts, h)
+            for e in range(arch.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (arch.moe_ffn_hidden_size, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (arch.moe_ffn_hidden_size, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, arch.moe_ffn_hidden_size)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (arch.ffn_hidden_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (arch.ffn_hidden_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, arch.ffn_hidden_size)
     shapes["model.norm.weight"] = (h,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)
@@ -118,11 +128,34 @@ def _pad_rows(weight: Tensor, rows: int) -> Tensor:
     return padded
 
 
+def _split_fused_experts(hf_sd: Mapping[str, Tensor], arch: Arch) -> Mapping[str, Tensor]:
+    """transformers 5 keeps a MoE layer's experts as two 3-D tensors in memory
+    (`experts.gate_up_proj` [E, 2I, H] = [gate; up] per expert, `experts.down_proj` [E, H, I]);
+    checkpoints on disk use one tensor per expert and projection. Returns the latter."""
+    if not arch.is_moe or not any(name.endswith("mlp.experts.gate_up_proj") for name in hf_sd):
+        return hf_sd
+    split = {}
+    for name, tensor in hf_sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                split[f"{prefix}{e}.gate_proj.weight"], split[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e, down in enumerate(tensor):
+                split[f"{prefix}{e}.down_proj.weight"] = down
+        else:
+            split[name] = tensor
+    return split
+
+
 def hf_to_megatron(hf_sd: Mapping[str, Tensor], arch: Arch, *, padded_vocab: int) -> dict[str, Tensor]:
     """Full HF state dict -> full Megatron state dict (vocab rows zero-padded to `padded_vocab`).
 
     A tied model's `lm_head.weight` (if present, it is the embedding) is ignored.
     """
+    hf_sd = _split_fused_experts(hf_sd, arch)
     expected = hf_param_shapes(arch)
     problems = [f"{n}: missing" for n in expected if n not in hf_sd]
     problems += [
@@ -146,9 +179,18 @@ def hf_to_megatron(hf_sd: Mapping[str, Tensor], arch: Arch, *, padded_vocab: int
             meg[mp + "self_attention.linear_qkv.bias"] = _pack_qkv(
                 hf_sd[attn + "q_proj.bias"], hf_sd[attn + "k_proj.bias"], hf_sd[attn + "v_proj.bias"], arch
             )
-        meg[mp + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf_sd[hp + "mlp.gate_proj.weight"], hf_sd[hp + "mlp.up_proj.weight"]]
-        )
+        if arch.is_moe:
+            meg[mp + "mlp.router.weight"] = hf_sd[hp + "mlp.gate.weight"].clone()
+            for e in range(arch.num_experts):
+                expert, local = f"{hp}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{e}."
+                meg[local + "linear_fc1.weight"] = torch.cat(
+                    [hf_sd[expert + "gate_proj.weight"], hf_sd[expert + "up_proj.weight"]]
+                )
+                meg[local + "linear_fc2.weight"] = hf_sd[expert + "down_proj.weight"].clone()
+        else:
+            meg[mp + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf_sd[hp + "mlp.gate_proj.weight"], hf_sd[hp + "mlp.up_proj.weight"]]
+            )
     meg[FINAL_NORM] = hf_sd["model.norm.weight"].clone()
     if not arch.tie_word_embeddings:
         meg[OUTPUT] = _pad_rows(hf_sd["lm_head.weight"], padded_vocab)
@@ -169,8 +211,16 @@ def megatron_to_hf(meg_sd: Mapping[str, Tensor], arch: Arch) -> dict[str, Tensor
         if arch.qkv_bias:
             q, k, v = _unpack_qkv(meg_sd[mp + "self_attention.linear_qkv.bias"], arch)
             hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"] = q, k, v
-        gate, up = meg_sd[mp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"] = gate.clone(), up.clone()
+        if arch.is_moe:
+            hf[hp + "mlp.gate.weight"] = meg_sd[mp + "mlp.router.weight"].clone()
+            for e in range(arch.num_experts):
+                expert, local = f"{hp}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{e}."
+                gate, up = meg_sd[local + "linear_fc1.weight"].chunk(2, dim=0)
+                hf[expert + "gate_proj.weight"], hf[expert + "up_proj.weight"] = gate.clone(), up.clone()
+                hf[expert + "down_proj.weight"] = meg_sd[local + "linear_fc2.weight"].clone()
+        else:
+            gate, up = meg_sd[mp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+            hf[hp + "mlp.gate_proj.weight"], hf[hp + "mlp.up_proj.weight"] = gate.clone(), up.clone()
     hf["model.norm.weight"] = meg_sd[FINAL_NORM].clone()
     if not arch.tie_word_embeddings:
         hf["lm_head.weight"] = meg_sd[OUTPUT][: arch.vocab_size].clone()

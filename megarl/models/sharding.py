@@ -1,16 +1,18 @@
-"""TP / PP / VPP sharding of a full Megatron GPT state dict (pure functions, no megatron import).
+"""TP / PP / VPP / EP sharding of a full Megatron GPT state dict (pure functions, no megatron import).
 
 Which dim each parameter is split on across TP ranks, how the fused tensors split
 (QKV is packed per query group, so whole groups go to a rank; fc1 = [gate; up] gives
 each rank [gate_r; up_r]), where a global layer lives (PP rank, VPP chunk, local
-index), and `shard_for_rank` / `merge_shards` between the full layout of
-`megarl.models.layout` and the state dicts the per-rank model chunks hold.
+index), which MoE experts an EP rank holds (a contiguous block, renumbered from 0;
+experts are never TP-split: the engines run expert-TP = 1), and `shard_for_rank` /
+`merge_shards` between the full layout of `megarl.models.layout` and the state dicts
+the per-rank model chunks hold.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -18,6 +20,7 @@ from megarl.models.layout import EMBEDDING, FINAL_NORM, OUTPUT
 
 Tensor = torch.Tensor
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
 
 
 def tp_split_dim(name: str) -> int | None:
@@ -25,8 +28,11 @@ def tp_split_dim(name: str) -> int | None:
 
     Column-parallel (output dim 0): linear_qkv (weight and bias), linear_fc1, the word
     embeddings and the output layer (vocab rows). Row-parallel (input dim 1):
-    linear_proj, linear_fc2. Norms (incl. the per-head q/k norms) are replicated.
+    linear_proj, linear_fc2. Norms (incl. the per-head q/k norms), the MoE router and
+    the experts (expert-TP = 1) are replicated.
     """
+    if _EXPERT_RE.match(name):
+        return None
     if name in (EMBEDDING, OUTPUT) or name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
@@ -87,6 +93,39 @@ def stage_roles(pp_rank: int, pp_size: int, vpp_rank: int = 0, vpp_size: int = 1
     return first, last
 
 
+def is_expert(name: str) -> bool:
+    """Whether a Megatron parameter belongs to an MoE expert (`...mlp.experts.local_experts.{e}...`)."""
+    return _EXPERT_RE.match(name) is not None
+
+
+def experts_per_rank(names: Iterable[str], ep_size: int) -> int:
+    """Experts each of `ep_size` EP ranks holds, from the expert indices in `names` (0: dense model)."""
+    experts = {int(m.group(2)) for m in map(_EXPERT_RE.match, names) if m}
+    if experts and len(experts) % ep_size:
+        raise ValueError(f"{len(experts)} experts are not divisible by ep_size={ep_size}")
+    return len(experts) // ep_size
+
+
+def _local_expert_name(name: str, ep_rank: int, per_rank: int) -> str | None:
+    """The name on EP rank `ep_rank` of a (global-index) expert tensor, None if it lives elsewhere;
+    other names unchanged."""
+    match = _EXPERT_RE.match(name)
+    if match is None:
+        return name
+    expert = int(match.group(2))
+    if expert // per_rank != ep_rank:
+        return None
+    return f"{match.group(1)}{expert % per_rank}.{match.group(3)}"
+
+
+def global_expert_name(name: str, ep_rank: int, per_rank: int) -> str:
+    """Inverse of the EP renumbering: a local expert tensor name -> its global-index name."""
+    match = _EXPERT_RE.match(name)
+    if match is None:
+        return name
+    return f"{match.group(1)}{ep_rank * per_rank + int(match.group(2))}.{match.group(3)}"
+
+
 def shard_for_rank(
     full_sd: Mapping[str, Tensor],
     *,
@@ -97,13 +136,17 @@ def shard_for_rank(
     pp_rank: int,
     pp_size: int,
     vpp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
 ) -> list[dict[str, Tensor]]:
-    """The state dicts (one per VPP chunk) a (tp_rank, pp_rank) model holds, local layer names.
+    """The state dicts (one per VPP chunk) a (tp_rank, pp_rank, ep_rank) model holds, local layer
+    (and expert) names.
 
     With tied embeddings and PP > 1 the last stage holds its own copy of the embedding
     as `output_layer.weight` (Megatron keeps the two in sync by an all-reduce of grads).
     """
     per_chunk = layers_per_chunk(num_layers, pp_size, vpp_size)
+    block = experts_per_rank(full_sd, ep_size)
     chunks = []
     for vpp_rank in range(vpp_size):
         first, last = stage_roles(pp_rank, pp_size, vpp_rank, vpp_size)
@@ -116,8 +159,10 @@ def shard_for_rank(
             )
             prefix = f"decoder.layers.{layer}."
             for name, tensor in full_sd.items():
-                if name.startswith(prefix):
-                    local_name = f"decoder.layers.{local}.{name[len(prefix) :]}"
+                if not name.startswith(prefix):
+                    continue
+                local_name = _local_expert_name(f"decoder.layers.{local}.{name[len(prefix) :]}", ep_rank, block)
+                if local_name is not None:
                     chunk[local_name] = shard_tensor(name, tensor, tp_rank, tp_size)
         if last:
             chunk[FINAL_NORM] = full_sd[FINAL_NORM].clone()
@@ -137,13 +182,18 @@ def merge_shards(
     tp_size: int,
     pp_size: int,
     vpp_size: int = 1,
+    ep_size: int = 1,
 ) -> dict[str, Tensor]:
-    """Inverse of `shard_for_rank`: `shards[(tp_rank, pp_rank, vpp_rank)]` -> the full Megatron state dict.
+    """Inverse of `shard_for_rank`: `shards[(tp_rank, pp_rank, vpp_rank)]` (with `ep_size` > 1:
+    `shards[(tp_rank, pp_rank, vpp_rank, ep_rank)]`) -> the full Megatron state dict.
 
     The last stage's tied `output_layer.weight` copy is dropped (it equals the embedding).
     """
     by_name: dict[str, list[Tensor | None]] = {}
-    for (tp_rank, pp_rank, vpp_rank), chunk in shards.items():
+    for key, chunk in shards.items():
+        tp_rank, pp_rank, vpp_rank = key[:3]
+        ep_rank = key[3] if ep_size > 1 else 0
+        block = experts_per_rank(chunk, 1)
         first, last = stage_roles(pp_rank, pp_size, vpp_rank, vpp_size)
         for name, tensor in chunk.items():
             if name == OUTPUT and tie_word_embeddings and last and not first:
@@ -158,7 +208,7 @@ def merge_shards(
                     vpp_rank=vpp_rank,
                     vpp_size=vpp_size,
                 )
-                name = f"decoder.layers.{layer}.{match.group(2)}"
+                name = global_expert_name(f"decoder.layers.{layer}.{match.group(2)}", ep_rank, block)
             by_name.setdefault(name, [None] * tp_size)[tp_rank] = tensor
     missing = [
         f"{name} (tp ranks {[r for r, t in enumerate(ts) if t is None]})" for name, ts in by_name.items() if None in ts

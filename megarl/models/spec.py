@@ -2,7 +2,8 @@
 
 A registry keyed by the HF config's explicit `model_type` (never a substring of a
 model name) says how each family differs from plain Llama: Qwen2 always has a QKV
-bias, Qwen3 RMS-normalises q and k per head. `arch_from_hf` turns an HF config dict
+bias, Qwen3 RMS-normalises q and k per head, Qwen3-MoE is Qwen3 with a top-k routed
+mixture of experts in place of every MLP. `arch_from_hf` turns an HF config dict
 into an `Arch` (the dimensions every layout map and the engine builder use) and
 `transformer_kwargs` into the keyword arguments a Megatron GPT model needs. Pure:
 no megatron import, so the resharding plan can reuse it anywhere.
@@ -23,12 +24,15 @@ class ModelSpec:
     # True: the family always has q/k/v biases (Qwen2); False: read `attention_bias`.
     always_qkv_bias: bool
     qk_layernorm: bool
+    # Every decoder layer's MLP is a mixture of experts (HF keys num_experts, moe_intermediate_size, ...).
+    moe: bool = False
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", always_qkv_bias=False, qk_layernorm=False),
     "qwen2": ModelSpec("qwen2", always_qkv_bias=True, qk_layernorm=False),
     "qwen3": ModelSpec("qwen3", always_qkv_bias=False, qk_layernorm=True),
+    "qwen3_moe": ModelSpec("qwen3_moe", always_qkv_bias=False, qk_layernorm=True, moe=True),
 }
 
 # Megatron's RotaryEmbedding hard-codes these Llama-3 scaling constants.
@@ -55,10 +59,20 @@ class Arch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     initializer_range: float
+    # Mixture of experts (0 experts: a dense MLP of ffn_hidden_size).
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    # True: the top-k routing weights are renormalised to sum to 1 (HF norm_topk_prob).
+    moe_norm_topk_prob: bool = False
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
 
 def get_spec(hf_config: dict) -> ModelSpec:
@@ -106,6 +120,7 @@ def arch_from_hf(hf_config: dict) -> Arch:
         problems.append(f"model config: attention_bias=True (o_proj bias) is not supported for {spec.model_type}")
     if hf_config.get("use_sliding_window"):
         problems.append("model config: use_sliding_window=True is not supported")
+    moe = _moe_fields(hf_config) if spec.moe else {}
     if problems:
         raise InputError(problems)
     rotary_base, rope_scaling_factor = _rope(hf_config)
@@ -126,7 +141,40 @@ def arch_from_hf(hf_config: dict) -> Arch:
         max_position_embeddings=int(hf_config.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         initializer_range=float(hf_config.get("initializer_range", 0.02)),
+        **moe,
     )
+
+
+def _moe_fields(hf_config: dict) -> dict:
+    """The MoE fields of `Arch` from a Qwen3-MoE config; InputError names each bad key."""
+    problems = []
+    # transformers 5 writes `num_local_experts` for what the hub configs call `num_experts`.
+    num_experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
+    if num_experts is None:
+        problems.append("model config: missing key 'num_experts'")
+    problems += [
+        f"model config: missing key {key!r}"
+        for key in ("moe_intermediate_size", "num_experts_per_tok")
+        if key not in hf_config
+    ]
+    if problems:
+        raise InputError(problems)
+    topk = int(hf_config["num_experts_per_tok"])
+    if not 0 < topk <= int(num_experts):
+        problems.append(f"model config: num_experts_per_tok={topk} must be in 1..num_experts={num_experts}")
+    # Megatron's local spec puts experts in every layer; dense layers in between are not mapped.
+    if int(hf_config.get("decoder_sparse_step", 1)) != 1:
+        problems.append(f"model config: decoder_sparse_step={hf_config['decoder_sparse_step']} is not supported (only 1)")
+    if hf_config.get("mlp_only_layers"):
+        problems.append(f"model config: mlp_only_layers={hf_config['mlp_only_layers']} is not supported (only [])")
+    if problems:
+        raise InputError(problems)
+    return {
+        "num_experts": int(num_experts),
+        "moe_ffn_hidden_size": int(hf_config["moe_intermediate_size"]),
+        "moe_router_topk": topk,
+        "moe_norm_topk_prob": bool(hf_config.get("norm_topk_prob", False)),
+    }
 
 
 def transformer_kwargs(hf_config: dict) -> dict:
@@ -134,7 +182,8 @@ def transformer_kwargs(hf_config: dict) -> dict:
 
     `activation` is a name ("silu", gated through `gated_linear_unit`); `rotary_base`,
     `rope_scaling_factor`, `max_position_embeddings`, `tie_word_embeddings` and
-    `vocab_size` (unpadded) are GPTModel arguments, the rest TransformerConfig fields.
+    `vocab_size` (unpadded) are GPTModel arguments, the rest TransformerConfig fields
+    (the `moe_*` ones None / 0 / False for dense models).
     """
     arch = arch_from_hf(hf_config)
     return {
@@ -156,4 +205,9 @@ def transformer_kwargs(hf_config: dict) -> dict:
         "max_position_embeddings": arch.max_position_embeddings,
         "tie_word_embeddings": arch.tie_word_embeddings,
         "vocab_size": arch.vocab_size,
+        "num_moe_experts": arch.num_experts or None,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size or None,
+        "moe_router_topk": arch.moe_router_topk,
+        # Softmax-then-top-k keeps HF's probabilities un-renormalised (norm_topk_prob=False).
+        "moe_router_pre_softmax": arch.is_moe and not arch.moe_norm_topk_prob,
     }

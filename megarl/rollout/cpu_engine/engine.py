@@ -1,7 +1,9 @@
 """The engine state behind the HTTP routes: model, tokenizer, scheduler, weight version, update session.
 
 Control operations are blocking and run on a worker thread of the HTTP server
-(`asyncio.to_thread`); `_control_lock` makes them one-at-a-time. Weight updates
+(`asyncio.to_thread`); `_control_lock` makes them one-at-a-time, except joining
+and receiving from weight-update groups, which `UpdateGroups` serialises per
+group so that one group per trainer PP stage can receive at once. Weight updates
 follow SGLang 0.5.23: tensor and distributed updates must sit between
 `begin_weight_update` and `end_weight_update` (disk updates need no session); each update is
 decoded and checked off the generation path, then copied in while the
@@ -14,6 +16,7 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 
+from megarl.rollout.cpu_engine.checksum import DIGEST_ALGORITHM
 from megarl.rollout.cpu_engine.scheduler import Scheduler
 from megarl.rollout.cpu_engine.sequence import Sequence
 from megarl.rollout.cpu_engine.update_group import UpdateGroups, parse_dtype
@@ -24,6 +27,7 @@ from megarl.rollout.cpu_engine.weights import (
     load_model,
     load_tokenizer,
     read_checkpoint,
+    weight_checksums,
 )
 from megarl.rollout.tensor_transport import deserialize_named_tensors
 
@@ -135,13 +139,14 @@ class CpuEngine:
     def init_weights_update_group(
         self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
     ) -> tuple[bool, str]:
-        with self._control_lock:
-            try:
-                self._update_groups.join(master_address=master_address, master_port=master_port,
-                                         rank=rank_offset, world_size=world_size, group_name=group_name)
-            except (ValueError, RuntimeError) as error:
-                return False, f"init_weights_update_group failed: {error}"
-            return True, f"Joined {group_name!r} as rank {rank_offset} of {world_size}"
+        # Not under the control lock: joining blocks until the trainer's stage joins, and
+        # several groups (one per trainer PP stage) may be joining at once.
+        try:
+            self._update_groups.join(master_address=master_address, master_port=master_port,
+                                     rank=rank_offset, world_size=world_size, group_name=group_name)
+        except (ValueError, RuntimeError) as error:
+            return False, f"init_weights_update_group failed: {error}"
+        return True, f"Joined {group_name!r} as rank {rank_offset} of {world_size}"
 
     def update_weights_from_distributed(
         self,
@@ -150,28 +155,38 @@ class CpuEngine:
         dtypes: list[str],
         shapes: list[list[int]],
         group_name: str,
+        load_format: str | None,
         abort_all_requests: bool,
         weight_version: str | None,
     ) -> tuple[bool, str]:
         with self._control_lock:
             if self._update_selector is None:
                 return False, "update_weights_from_distributed requires an open begin_weight_update session"
-            try:
-                torch_dtypes = [parse_dtype(dtype) for dtype in dtypes]
-                # Receive everything even when the tensors will be refused: a
-                # receiver that stops early would leave the trainer blocked in broadcast.
-                named = self._update_groups.receive(group_name, names, torch_dtypes, shapes)
-            except (ValueError, RuntimeError) as error:
-                return False, str(error)
+        try:
+            torch_dtypes = [parse_dtype(dtype) for dtype in dtypes]
+            # Received outside the control lock, so groups of different trainer PP stages
+            # receive concurrently. Everything is received even when the tensors will be
+            # refused: a receiver that stops early would leave the trainer blocked in broadcast.
+            named = self._update_groups.receive(group_name, names, torch_dtypes, shapes,
+                                                flattened=load_format == "flattened_bucket")
+        except (ValueError, RuntimeError) as error:
+            return False, str(error)
+        with self._control_lock:
             return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
 
     def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
-        with self._control_lock:
-            try:
-                self._update_groups.destroy(group_name)
-            except ValueError as error:
-                return False, str(error)
-            return True, "Success"
+        try:
+            self._update_groups.destroy(group_name)
+        except ValueError as error:
+            return False, str(error)
+        return True, "Success"
+
+    def weights_checksum(self) -> dict:
+        """megarl's extension (see `checksum`): a digest of every weight tensor, read between decode steps."""
+        with self._control_lock, self.scheduler.hold():
+            checksums = weight_checksums(self.model)
+            version = self.weight_version
+        return {"algorithm": DIGEST_ALGORITHM, "weight_version": version, "checksums": checksums}
 
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
         with self._control_lock:

@@ -214,9 +214,15 @@ def build_app(args: EngineArgs) -> FastAPI:
             dtypes=body.dtypes,
             shapes=body.shapes,
             group_name=body.group_name,
+            load_format=body.load_format,
             abort_all_requests=body.abort_all_requests,
             weight_version=body.weight_version,
         ))
+
+    @app.get("/weights_checksum")
+    async def weights_checksum() -> dict:
+        """megarl's extension (SGLang has no such endpoint): per-tensor digests of the loaded weights."""
+        return await asyncio.to_thread(engine().weights_checksum)
 
     @control_route("/destroy_weights_update_group", DestroyWeightsUpdateGroupBody)
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> Response:

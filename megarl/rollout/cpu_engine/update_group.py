@@ -7,11 +7,14 @@ written for SGLang servers works here unchanged: a TCP store at
 default group with torch's `_new_process_group_helper`. This server (one TP
 rank) joins as rank `rank_offset`. `/update_weights_from_distributed` sends
 names, dtypes and shapes over HTTP; the trainer then broadcasts the tensors
-from rank 0 in that order. On CPU the backend is gloo.
+from rank 0 in that order (or, with `load_format: "flattened_bucket"`, one
+uint8 buffer of their bytes). On CPU the backend is gloo.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from datetime import timedelta
 
 import torch
@@ -30,15 +33,37 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 class UpdateGroups:
-    """The weight-update groups this server has joined, by name. Not thread-safe: callers serialise."""
+    """The weight-update groups this server has joined, by name.
+
+    Thread-safe, and joins/receives of *different* groups run concurrently: a
+    pipeline-parallel trainer sends each PP stage through its own group at the
+    same time, and on gloo a server that served one group at a time could block
+    stage 0 while stage 1 waits on another server that does the opposite.
+    """
 
     def __init__(self) -> None:
-        self._groups: dict[str, torch.distributed.ProcessGroup] = {}
+        self._lock = threading.Lock()
+        self._groups: dict[str, torch.distributed.ProcessGroup | None] = {}  # None: still joining
+        self._busy: dict[str, threading.Lock] = {}
 
     def join(self, *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str) -> None:
         """Block until every rank has joined the group (the trainer must join concurrently)."""
-        if group_name in self._groups:
-            raise ValueError(f"group_name: {group_name!r} is already joined; destroy it first")
+        with self._lock:
+            if group_name in self._groups:
+                raise ValueError(f"group_name: {group_name!r} is already joined; destroy it first")
+            self._groups[group_name] = None
+        try:
+            group = self._create(master_address, master_port, rank, world_size, group_name)
+        except BaseException:
+            with self._lock:
+                del self._groups[group_name]
+            raise
+        with self._lock:
+            self._groups[group_name] = group
+            self._busy[group_name] = threading.Lock()
+
+    @staticmethod
+    def _create(master_address: str, master_port: int, rank: int, world_size: int, group_name: str):
         init_method = f"tcp://{master_address}:{master_port}"
         store, _, _ = next(rendezvous(init_method, rank, world_size, timeout=GROUP_TIMEOUT))
         store.set_timeout(GROUP_TIMEOUT)
@@ -51,25 +76,48 @@ class UpdateGroups:
         # Registering the ranks lets destroy_process_group forget the group name,
         # so a later init with the same name works.
         _world.pg_group_ranks[group] = {index: index for index in range(world_size)}
-        self._groups[group_name] = group
+        return group
 
     def receive(
-        self, group_name: str, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]
+        self,
+        group_name: str,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[list[int]],
+        *,
+        flattened: bool = False,
     ) -> NamedTensors:
-        """Receive one broadcast (root: rank 0) per name, in order."""
-        group = self._group(group_name)
-        named: NamedTensors = []
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=dtype)
-            group.broadcast(tensor, 0).wait()
-            named.append((name, tensor))
-        return named
+        """Receive the tensors broadcast from rank 0: one broadcast per name, or (`flattened`) one uint8
+        buffer holding their bytes back to back in order (SGLang's "flattened_bucket" load format)."""
+        group, busy = self._group(group_name)
+        with busy:
+            if not flattened:
+                named: NamedTensors = []
+                for name, dtype, shape in zip(names, dtypes, shapes):
+                    tensor = torch.empty(shape, dtype=dtype)
+                    group.broadcast(tensor, 0).wait()
+                    named.append((name, tensor))
+                return named
+            sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes)]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            group.broadcast(flat, 0).wait()
+            pieces = flat.split(sizes)
+            return [(name, piece.view(dtype).view(shape))
+                    for name, piece, dtype, shape in zip(names, pieces, dtypes, shapes)]
 
     def destroy(self, group_name: str) -> None:
-        torch.distributed.destroy_process_group(self._group(group_name))
-        del self._groups[group_name]
+        group, busy = self._group(group_name)
+        with busy:
+            torch.distributed.destroy_process_group(group)
+        with self._lock:
+            del self._groups[group_name]
+            del self._busy[group_name]
 
-    def _group(self, group_name: str) -> torch.distributed.ProcessGroup:
-        if group_name not in self._groups:
-            raise ValueError(f"group_name: no weight-update group {group_name!r}; call /init_weights_update_group")
-        return self._groups[group_name]
+    def _group(self, group_name: str) -> tuple[torch.distributed.ProcessGroup, threading.Lock]:
+        with self._lock:
+            group = self._groups.get(group_name)
+            if group is None:
+                state = "is still joining" if group_name in self._groups else "does not exist"
+                raise ValueError(f"group_name: weight-update group {group_name!r} {state}; "
+                                 f"call /init_weights_update_group")
+            return group, self._busy[group_name]

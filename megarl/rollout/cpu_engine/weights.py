@@ -2,7 +2,8 @@
 
 Incoming tensors carry HF parameter names (`model.layers.0.self_attn.q_proj.weight`).
 Every update is checked in full before anything is copied: each name must be a
-tensor of the model's state dict, with the same shape and dtype. A bad update
+tensor of the model's state dict, with the same shape and a dtype that converts
+exactly into the model's (bf16 into float32 is fine, float64 into float32 is not). A bad update
 is refused as a whole, naming every offending tensor, so the model never runs
 on a half-loaded set of weights. With tied embeddings `lm_head.weight` and
 `model.embed_tokens.weight` are one tensor; either name updates both.
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from megarl.rollout.cpu_engine.checksum import tensor_digest
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +75,26 @@ def check_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> 
             problems.append(f"{name}: no such tensor in the model")
         elif tuple(tensor.shape) != tuple(targets[name].shape):
             problems.append(f"{name}: shape {tuple(tensor.shape)} != model shape {tuple(targets[name].shape)}")
-        elif tensor.dtype != targets[name].dtype:
+        elif tensor.dtype != targets[name].dtype and not widens_exactly(tensor.dtype, targets[name].dtype):
             problems.append(f"{name}: dtype {tensor.dtype} != model dtype {targets[name].dtype}")
     return problems
+
+
+# Casts that keep every value: a bf16 trainer may update this float32 engine, as
+# SGLang's loaders copy (and cast) into their parameters. Lossy casts are refused.
+_EXACT_WIDENINGS = {
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+}
+
+
+def widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:
+    return (source, target) in _EXACT_WIDENINGS
+
+
+def weight_checksums(model: PreTrainedModel) -> dict[str, str]:
+    """`tensor_digest` of every tensor of the model's state dict (tied tensors under each name)."""
+    return {name: tensor_digest(tensor) for name, tensor in model.state_dict().items()}
 
 
 def apply_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> int:

@@ -1,0 +1,190 @@
+"""Distributed checkpoints of an engine: model, optimizer and LR schedule via megatron's dist_checkpointing.
+
+A checkpoint dir holds megatron's sharded checkpoint (`metadata.json`, `common.pt`,
+`*.distcp`) plus `megarl_checkpoint.json`: the HF config, tokenizer path, parameter
+dtype and the layout it was saved at. Tensors are stored by global (layout-free) keys,
+so a checkpoint saved at one TP/PP/VPP/EP layout loads at any other; the vocab-padded
+embedding and output layer may change padding (megatron marks them shape-mismatch
+tolerant). The JSON file is written last, after every rank finished: a dir without it
+is an incomplete save.
+
+Save and load are collectives over all ranks of the engine. Trap (PLATFORM.md): the
+save starts a spawn-based multiprocessing Manager, so a plain script that saves must
+guard its entry point with `if __name__ == "__main__":`; Ray actors and
+`multiprocessing.spawn` workers already are safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+
+from megarl.engines.distributed import parallel_layout
+from megarl.engines.gpt import GPTModelChunks
+from megarl.engines.optim import TrainState
+from megarl.errors import InputError
+from megarl.models.spec import arch_from_hf
+
+METADATA_FILE = "megarl_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What `megarl_checkpoint.json` records about a checkpoint."""
+
+    hf_config: dict
+    tokenizer_path: str | None
+    params_dtype: str
+    has_optimizer: bool
+    saved_layout: dict
+    # False when the optimizer had not stepped yet (Adam keeps no state then).
+    has_optimizer_state: bool = True
+
+
+def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo:
+    """The metadata of a complete checkpoint; InputError naming the dir if it is not one."""
+    path = Path(ckpt_dir).expanduser() / METADATA_FILE
+    if not path.is_file():
+        raise InputError(f"checkpoint {ckpt_dir}: {METADATA_FILE} not found (not a megarl checkpoint, or incomplete)")
+    data = json.loads(path.read_text())
+    if data.get("format_version") != FORMAT_VERSION:
+        raise InputError(f"checkpoint {ckpt_dir}: format_version={data.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return CheckpointInfo(
+        hf_config=data["hf_config"],
+        tokenizer_path=data["tokenizer_path"],
+        params_dtype=data["params_dtype"],
+        has_optimizer=data["has_optimizer"],
+        saved_layout=data["saved_layout"],
+        has_optimizer_state=data.get("has_optimizer_state", data["has_optimizer"]),
+    )
+
+
+def _model_state(model: GPTModelChunks) -> dict:
+    # One entry per VPP chunk; the tensors inside carry global keys, so the dict nesting
+    # does not have to match between the saving and the loading layout.
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model.chunks)}
+
+
+def _barrier() -> None:
+    torch.distributed.barrier()
+
+
+def _torch_optimizers(train: TrainState) -> list:
+    optimizer = train.optimizer
+    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _optimizer_has_state(train: TrainState) -> bool:
+    # Adam creates its moments at the first step; before that there is nothing to save,
+    # and megatron's sharded optimizer state would ask the loader for moments that do not exist.
+    return any(len(opt.state) > 0 for opt in _torch_optimizers(train))
+
+
+def save_checkpoint(
+    model: GPTModelChunks,
+    train: TrainState | None,
+    ckpt_dir: str | Path,
+    *,
+    hf_config: dict,
+    tokenizer_path: str | None,
+    engine_state: dict,
+) -> Path:
+    """Save model (+ optimizer and LR schedule when `train`) and `engine_state` (plain,
+    identical on all ranks); collective. An existing checkpoint in the dir is replaced."""
+    ckpt_dir = Path(ckpt_dir).expanduser().resolve()
+    is_writer = torch.distributed.get_rank() == 0
+    if is_writer:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / METADATA_FILE).unlink(missing_ok=True)  # incomplete until the new one is written
+    _barrier()
+    state: dict = {**_model_state(model), "engine": engine_state}
+    with_optimizer_state = train is not None and _optimizer_has_state(train)
+    if with_optimizer_state:
+        model_state = {k: v for k, v in state.items() if k.startswith("model")}
+        state["optimizer"] = train.optimizer.sharded_state_dict(model_state, is_loading=False)
+    if train is not None:
+        state["scheduler"] = train.scheduler.state_dict()
+    dist_checkpointing.save(state, str(ckpt_dir))
+    _barrier()
+    if is_writer:
+        layout = parallel_layout()
+        info = {
+            "format_version": FORMAT_VERSION,
+            "hf_config": hf_config,
+            "tokenizer_path": tokenizer_path,
+            "params_dtype": str(model.config.params_dtype).removeprefix("torch."),
+            "has_optimizer": train is not None,
+            "has_optimizer_state": with_optimizer_state,
+            "saved_layout": {
+                "tp": layout["tp_size"],
+                "pp": layout["pp_size"],
+                "vpp": len(model.chunks),
+                "dp": layout["dp_size"],
+                "world_size": layout["world_size"],
+            },
+        }
+        tmp = ckpt_dir / (METADATA_FILE + ".tmp")
+        tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
+        os.replace(tmp, ckpt_dir / METADATA_FILE)
+    _barrier()
+    return ckpt_dir
+
+
+def _check_same_model(info: CheckpointInfo, model: GPTModelChunks, ckpt_dir: Path) -> None:
+    saved = arch_from_hf(info.hf_config)
+    ours = model.arch
+    # Only dimensions decide whether tensors fit; max_position_embeddings etc. may differ.
+    fields = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+              "num_query_groups", "head_dim", "vocab_size", "qkv_bias", "qk_layernorm", "tie_word_embeddings",
+              "num_experts", "moe_ffn_hidden_size")
+    problems = [
+        f"checkpoint {ckpt_dir}: {name}={getattr(saved, name)!r}, the engine's model has {getattr(ours, name)!r}"
+        for name in fields
+        if getattr(saved, name, None) != getattr(ours, name, None)
+    ]
+    if problems:
+        raise InputError(problems)
+
+
+def load_model_state(model: GPTModelChunks, ckpt_dir: Path) -> None:
+    """Only the model weights of a checkpoint, into `model` at the current layout; collective."""
+    loaded = dist_checkpointing.load(_model_state(model), str(ckpt_dir))
+    for i, chunk in enumerate(model.chunks):
+        chunk.load_state_dict(loaded[f"model{i}"])
+
+
+def load_checkpoint(
+    model: GPTModelChunks, train: TrainState | None, ckpt_dir: str | Path, *, load_optimizer: bool
+) -> dict:
+    """Load a checkpoint saved at any layout into `model` (and `train`'s optimizer and schedule
+    when `load_optimizer`); collective. Returns the saved `engine_state`."""
+    ckpt_dir = Path(ckpt_dir).expanduser().resolve()
+    info = read_checkpoint_info(ckpt_dir)
+    _check_same_model(info, model, ckpt_dir)
+    with_optimizer = train is not None and load_optimizer
+    if with_optimizer and not info.has_optimizer:
+        raise InputError(f"checkpoint {ckpt_dir}: saved without optimizer state (load with load_optimizer=False)")
+    state = _model_state(model)
+    if with_optimizer and info.has_optimizer_state:
+        state["optimizer"] = train.optimizer.sharded_state_dict(dict(state), is_loading=True)
+    loaded = dist_checkpointing.load(state, str(ckpt_dir))
+    for i, chunk in enumerate(model.chunks):
+        chunk.load_state_dict(loaded[f"model{i}"])
+    if with_optimizer and info.has_optimizer_state:
+        train.optimizer.load_state_dict(loaded["optimizer"])
+    elif with_optimizer:
+        for opt in _torch_optimizers(train):  # saved before the first step: start fresh
+            opt.state.clear()
+        train.optimizer.reload_model_params()
+    if with_optimizer:
+        train.scheduler.load_state_dict(loaded["scheduler"])
+    elif train is not None:
+        # Mixed precision keeps fp32 main copies inside the optimizer: refresh them.
+        train.optimizer.reload_model_params()
+    return loaded.get("engine", {})

@@ -1,0 +1,141 @@
+"""The disaggregated `distributed` transport: buckets broadcast from each PP stage's sender to every server.
+
+Each PP stage's sender owns one weight-update group with all servers (so stages
+send in parallel): it is rank 0, server i's TP rank r joins as
+`1 + (TP sizes of servers before i) + r`. The group is set up once, on the
+stage's first sync, and kept; a push to a different set of servers (a server was
+restarted) sets up a new one and drops the groups that contained any of them.
+Per bucket the metadata (`names`, `dtypes`, `shapes`, `load_format:
+"flattened_bucket"`, `flush_cache` on the stage's last bucket) goes over HTTP to
+`/update_weights_from_distributed` while the bucket's bytes go by one broadcast
+(gloo on CPU, NCCL on GPU). The broadcast is polled next to the HTTP replies: a
+server that refuses the update fails the sync at once, one that stops answering
+fails it after `timeout_s`, each error naming the bucket, group and server.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.client import RolloutClient
+from megarl.weightsync.plan import Bucket
+from megarl.weightsync.session import WeightSyncError, call_servers
+from megarl.weightsync.update_group import POLL_S, destroy_update_group, init_update_group
+
+Tensor = torch.Tensor
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class DistributedTransport:
+    name = "distributed"
+
+    def __init__(self, client: RolloutClient, *, backend: str | None = None, timeout_s: float = 600.0,
+                 group_prefix: str | None = None):
+        self.client = client
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        # Unique per trainer: a group name a dead trainer left joined on a server cannot collide.
+        self.group_prefix = group_prefix or f"megarl_{secrets.token_hex(4)}"
+        self._groups: dict[int, tuple[str, dist.ProcessGroup]] = {}
+        self._buffers: dict[int, Tensor] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-meta")
+
+    @property
+    def device(self) -> torch.device:
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def buffer(self, slot: int, nbytes: int) -> Tensor:
+        held = self._buffers.get(slot)
+        if held is None or held.numel() < nbytes:
+            held = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return held
+
+    def prepare(self, *, weight_version: str) -> None:
+        pass
+
+    def start_stage(self, pp_rank: int, *, weight_version: str) -> None:
+        if pp_rank in self._groups:
+            return
+        urls = self.client.urls
+        infos = call_servers(self.client, "GET", "/server_info", phase=f"distributed transport set-up, PP stage {pp_rank}")
+        tp_sizes = [int(info.get("tp_size", 1)) if isinstance(info, dict) else 1 for info in infos]
+        name = f"{self.group_prefix}_pp{pp_rank}"
+        group = init_update_group(self.client, urls=urls, tp_sizes=tp_sizes, master_address=_master_address(urls),
+                                  master_port=_free_port(), group_name=name, backend=self.backend,
+                                  timeout_s=self.timeout_s)
+        self._groups[pp_rank] = (name, group)
+
+    def send(self, bucket: Bucket, flat: Tensor, *, last: bool) -> None:
+        name, group = self._groups[bucket.pp_rank]
+        tensors = bucket.tensors
+        body = {
+            "names": [t.name for t in tensors],
+            "dtypes": [str(bucket.dtype).removeprefix("torch.")] * len(tensors),
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": name,
+            "load_format": "flattened_bucket",
+            "flush_cache": last,
+        }
+        what = f"distributed transport, bucket {bucket.index} (PP stage {bucket.pp_rank}, group {name!r})"
+        replies = self._pool.submit(call_servers, self.client, "POST", "/update_weights_from_distributed", body,
+                                    phase=what)
+        work = group.broadcast(flat[: bucket.nbytes], 0)
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            if replies.done() and replies.exception() is not None:
+                self._forget(bucket.pp_rank)  # the servers left the broadcast: this group is out of step
+                raise replies.exception()
+            if time.monotonic() > deadline:
+                self._forget(bucket.pp_rank)
+                raise WeightSyncError(f"{what}: broadcast timed out after {self.timeout_s:.0f} s; servers "
+                                      f"{', '.join(self.client.urls)} (group ranks 1..{group.size() - 1})")
+            time.sleep(POLL_S)
+        try:
+            work.wait()
+        except RuntimeError as error:
+            self._forget(bucket.pp_rank)
+            raise WeightSyncError(f"{what}: broadcast failed: {error}") from error
+        replies.result(timeout=self.timeout_s)
+
+    def commit(self, *, weight_version: str) -> None:
+        pass
+
+    def close(self) -> None:
+        for pp_rank in list(self._groups):
+            name, group = self._groups.pop(pp_rank)
+            destroy_update_group(self.client, group, group_name=name)
+        self._buffers.clear()
+        self._pool.shutdown(wait=False)
+
+    def _forget(self, pp_rank: int) -> None:
+        """Drop a group left mid-broadcast; the next sync sets up a fresh one.
+
+        Torn down in the background: a server may still be blocked receiving, and the
+        error must reach the caller now, not after the server's own timeout.
+        """
+        name, group = self._groups.pop(pp_rank)
+        threading.Thread(target=destroy_update_group, args=(self.client, group), kwargs={"group_name": name},
+                         daemon=True).start()
+
+
+def _master_address(urls: list[str]) -> str:
+    """Loopback when every server is local, else this node's address (what the servers can reach)."""
+    if all(urlparse(url).hostname in _LOOPBACK for url in urls):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,93 @@
+"""A trainer rank's weight-sync state across steps: plan, groups, clients and transports, built once.
+
+`EngineWeightSync.push` is what `MegatronWorker.push_weights` runs on every rank
+of the actor: it takes the rank's model chunks and coordinates, builds the plan
+and the sync groups on first use, and keeps one `WeightSyncer` per (transport,
+settings, server set), so a distributed transport's broadcast groups live across
+steps. A push to a different server set that overlaps a known one means those
+servers were restarted (the fleet re-syncs a restarted server alone): syncers
+whose server sets contain them are closed, so their groups are set up afresh.
+Every rank must make the same calls in the same order (they are collective).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megarl.models.spec import Arch
+from megarl.rollout.client import RolloutClient
+from megarl.weightsync import make_transport
+from megarl.weightsync.gather import local_shards
+from megarl.weightsync.groups import RankCoords, SyncGroups
+from megarl.weightsync.plan import TrainerLayout, build_plan
+from megarl.weightsync.syncer import WeightSyncer
+
+VERIFY_MODES = ("none", "checksum")
+
+
+class EngineWeightSync:
+    def __init__(self) -> None:
+        self._groups: SyncGroups | None = None
+        self._plans: dict[tuple, object] = {}
+        self._syncers: dict[tuple, tuple[WeightSyncer, RolloutClient | None]] = {}
+
+    def push(
+        self,
+        *,
+        chunks: list[torch.nn.Module],
+        arch: Arch,
+        padded_vocab: int,
+        coords: RankCoords,
+        urls: list[str],
+        api_key: str | None,
+        version: object,
+        transport: str,
+        bucket_mb: float,
+        verify: str,
+        timeout_s: float,
+        disk_dir: str | Path | None,
+    ) -> dict[str, float] | None:
+        """One sync of this rank's chunks to `urls` under `version`; metrics on trainer rank 0, else None."""
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"weight_sync.verify: {verify!r} is not one of {VERIFY_MODES}")
+        local = local_shards(chunks)
+        dtype = next(iter(local.values())).dtype
+        if self._groups is None:
+            self._groups = SyncGroups.build(coords, timeout_s=timeout_s)
+        layout = TrainerLayout(tp=coords.tp_size, pp=coords.pp_size, vpp=len(chunks), dp=coords.dp_size)
+        plan_key = (layout, dtype, int(bucket_mb * 2**20), padded_vocab)
+        if plan_key not in self._plans:
+            self._plans[plan_key] = build_plan(arch, layout, dtype=dtype, bucket_bytes=plan_key[2],
+                                               padded_vocab=padded_vocab)
+        servers = tuple(urls)
+        key = (servers, api_key, transport, plan_key, verify, timeout_s, str(disk_dir))
+        self._drop_restarted(servers, keep=key)
+        if key not in self._syncers:
+            needs_client = coords.rank == 0 or (coords.is_sender and coords.dp_rank == 0)
+            client = RolloutClient(list(servers), api_key=api_key, timeout_s=timeout_s) if needs_client else None
+            sender_transport = make_transport(transport, client, timeout_s=timeout_s, disk_dir=disk_dir)
+            syncer = WeightSyncer(self._plans[plan_key], sender_transport, self._groups, client=client,
+                                  verify=verify == "checksum")
+            self._syncers[key] = (syncer, client)
+        stats = self._syncers[key][0].push(local, weight_version=str(version))
+        return stats.metrics() if stats is not None else None
+
+    def close(self) -> None:
+        """Release every transport (leave the servers' broadcast groups) and close the clients."""
+        for key in list(self._syncers):
+            self._close(key)
+
+    def _drop_restarted(self, servers: tuple[str, ...], *, keep: tuple) -> None:
+        for key in list(self._syncers):
+            if key != keep and key[0] != servers and set(key[0]) & set(servers):
+                self._close(key)
+
+    def _close(self, key: tuple) -> None:
+        syncer, client = self._syncers.pop(key)
+        try:
+            syncer.close()
+        finally:
+            if client is not None:
+                client.close()

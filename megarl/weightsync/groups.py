@@ -1,0 +1,99 @@
+"""Where this trainer rank sits, and the process groups a sync needs besides Megatron's own.
+
+`RankCoords` is the rank's position (from `megarl.engines.distributed.parallel_layout()`,
+or written by hand in tests). `SyncGroups.build` is a collective over the default
+group: it learns every rank's coordinates and creates, with the sync's timeout,
+one TP group per PP stage of DP replica 0 (the buckets are gathered there; other
+replicas hold the same weights and stay idle) and a gloo control group over all
+ranks for the small object exchanges that keep every rank's outcome consistent.
+Building our own groups keeps megatron out of this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.weightsync.session import WeightSyncError
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    rank: int = 0
+    world_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @classmethod
+    def from_layout(cls, layout: dict[str, Any]) -> RankCoords:
+        return cls(**{name: int(layout[name]) for name in cls.__dataclass_fields__})
+
+    @property
+    def is_sender(self) -> bool:
+        """TP rank 0 of DP replica 0: the rank that sends its PP stage's buckets."""
+        return self.tp_rank == 0 and self.dp_rank == 0
+
+
+class SyncGroups:
+    """This rank's TP gather group (None when it has no TP peers or is not in DP replica 0) and the control group."""
+
+    def __init__(self, coords: RankCoords, *, tp_group, tp_ranks: list[int], control, timeout_s: float):
+        self.coords, self.tp_group, self.tp_ranks = coords, tp_group, tp_ranks
+        self.control, self.timeout_s = control, timeout_s
+
+    @classmethod
+    def build(cls, coords: RankCoords, *, timeout_s: float) -> SyncGroups:
+        if coords.world_size == 1:
+            return cls(coords, tp_group=None, tp_ranks=[0], control=None, timeout_s=timeout_s)
+        timeout = timedelta(seconds=timeout_s)
+        everyone: list[Any] = [None] * coords.world_size
+        dist.all_gather_object(everyone, coords)
+        tp_group, tp_ranks = None, [coords.rank]
+        # new_group is collective over the default group: every rank creates every group, in the same order.
+        for pp_rank in range(coords.pp_size):
+            ranks = [c.rank for c in sorted(everyone, key=lambda c: c.tp_rank)
+                     if c.pp_rank == pp_rank and c.dp_rank == 0]
+            group = dist.new_group(ranks, timeout=timeout) if coords.tp_size > 1 else None
+            if coords.rank in ranks:
+                tp_group, tp_ranks = group, ranks
+        control = dist.new_group(list(range(coords.world_size)), timeout=timeout, backend="gloo")
+        return cls(coords, tp_group=tp_group, tp_ranks=tp_ranks, control=control, timeout_s=timeout_s)
+
+    def share_from_zero(self, value: Any, *, phase: str) -> Any:
+        """Rank 0's `value` on every rank."""
+        if self.control is None:
+            return value
+        box = [value]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self.control)
+        except RuntimeError as error:
+            raise WeightSyncError(f"{phase}: control broadcast from trainer rank 0 to rank {self.coords.rank} "
+                                  f"failed or timed out after {self.timeout_s:.0f} s: {error}") from error
+        return box[0]
+
+    def gather_all(self, value: Any, *, phase: str) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.control is None:
+            return [value]
+        values: list[Any] = [None] * self.coords.world_size
+        try:
+            dist.all_gather_object(values, value, group=self.control)
+        except RuntimeError as error:
+            raise WeightSyncError(f"{phase}: control all-gather on trainer rank {self.coords.rank} failed or "
+                                  f"timed out after {self.timeout_s:.0f} s: {error}") from error
+        return values
+
+
+def device_for(backend: str | None = None) -> torch.device:
+    """Where bucket buffers live: the current GPU with CUDA, else CPU."""
+    if backend != "gloo" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,104 @@
+"""What every transport shares: the error type, sync statistics, phase-named HTTP calls, the update session.
+
+A sync is one update session on every server: generation paused in place,
+`/begin_weight_update`, the transport's updates (the last one flushes the cache),
+`/update_weight_version` with the new version, `/end_weight_update`, generation
+continued. Running requests never see half-updated weights, and a failed sync
+still closes the session and resumes generation. Every HTTP call is bounded by
+the client's timeout; a failure becomes a `WeightSyncError` naming the phase,
+the endpoint and the server URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from megarl.rollout.client import RolloutClient, RolloutError
+
+
+class WeightSyncError(RuntimeError):
+    """A sync that failed or timed out; the message names the phase and the peer (server URL or trainer rank)."""
+
+
+@dataclass
+class SyncStats:
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    checksums: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        """Payload gigabytes per second (the `perf/weight_sync_gbps` metric)."""
+        return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("nan")
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/weight_sync_gbps": self.gbps, "weight_sync/seconds": self.seconds,
+                "weight_sync/bytes": float(self.num_bytes), "weight_sync/tensors": float(self.num_tensors)}
+
+
+def call_servers(client: RolloutClient, method: str, endpoint: str, bodies: list[Any] | Any = None, *,
+                 phase: str) -> list[Any]:
+    """The same call on every server of `client` (a list gives one body per server), concurrently.
+
+    Raises WeightSyncError naming `phase`, the endpoint and each failing server. A
+    reply `{"success": false}` counts as a failure even with HTTP 200.
+    """
+    urls = client.urls
+    bodies = bodies if isinstance(bodies, list) else [bodies] * len(urls)
+
+    async def all_servers() -> list[Any]:
+        calls = (client.request(url, method, endpoint, body) for url, body in zip(urls, bodies))
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    replies = client.run(all_servers())
+    problems = []
+    for url, reply in zip(urls, replies):
+        if isinstance(reply, RolloutError):
+            problems.append(f"{url}: {reply.message} (HTTP {reply.status if reply.status is not None else 'no response'})")
+        elif isinstance(reply, BaseException):
+            problems.append(f"{url}: {type(reply).__name__}: {reply}")
+        elif isinstance(reply, dict) and reply.get("success") is False:
+            problems.append(f"{url}: {reply.get('message', 'success: false')}")
+    if problems:
+        raise WeightSyncError(f"{phase}: {method} {endpoint} failed on " + "; ".join(problems))
+    return replies
+
+
+class UpdateSession:
+    """Rank 0's side of one sync on every server: open, then publish the version and close (or abort)."""
+
+    def __init__(self, client: RolloutClient, *, pause_mode: str | None = "in_place"):
+        self.client = client
+        self.pause_mode = pause_mode
+
+    def open(self) -> None:
+        if self.pause_mode is not None:
+            call_servers(self.client, "POST", "/pause_generation", {"mode": self.pause_mode}, phase="pause generation")
+        try:
+            call_servers(self.client, "POST", "/begin_weight_update", {"selector": "all"},
+                         phase="begin weight update")
+        except WeightSyncError:
+            self._resume()
+            raise
+
+    def close(self, *, weight_version: str) -> None:
+        """Publish `weight_version` and end the session (generation continues even if publishing fails)."""
+        try:
+            call_servers(self.client, "POST", "/update_weight_version", {"new_version": weight_version},
+                         phase="publish weight version")
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """End the session and resume generation, whatever state the servers are in."""
+        try:
+            call_servers(self.client, "POST", "/end_weight_update", {}, phase="end weight update")
+        finally:
+            self._resume()
+
+    def _resume(self) -> None:
+        if self.pause_mode is not None:
+            call_servers(self.client, "POST", "/continue_generation", {}, phase="continue generation")

@@ -1,0 +1,124 @@
+"""One weight sync across all trainer ranks: session on rank 0, stages in parallel, one outcome everywhere.
+
+`WeightSyncer.push` is called on every trainer rank (it is collective):
+1. rank 0 opens the update session on every server (`session.UpdateSession`)
+   and lets the transport prepare; every rank learns whether that worked;
+2. each PP stage of DP replica 0 gathers and assembles its buckets; the
+   stage's TP rank 0 sends them (`pipeline.run_stage`), all stages at once;
+3. every rank's outcome (and, in checksum mode, its digests) goes to every rank;
+4. if all succeeded rank 0 commits the transport, publishes the new version,
+   verifies the checksums and closes the session; otherwise it aborts the
+   session and every rank raises the same error, naming the failing ranks.
+Rank 0 returns `SyncStats` (seconds from opening to closing the session); the
+other ranks return None.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Mapping
+
+import torch
+
+from megarl.rollout.client import RolloutClient
+from megarl.weightsync.checksum import verify_server_checksums
+from megarl.weightsync.gather import StageAssembler
+from megarl.weightsync.groups import SyncGroups
+from megarl.weightsync.pipeline import Transport, run_stage
+from megarl.weightsync.plan import ReshardPlan
+from megarl.weightsync.session import SyncStats, UpdateSession, WeightSyncError
+
+Tensor = torch.Tensor
+
+
+class WeightSyncer:
+    """Pushes this rank's shards through `transport`; `client` is needed on senders and rank 0 (else None)."""
+
+    def __init__(self, plan: ReshardPlan, transport: Transport, groups: SyncGroups, *,
+                 client: RolloutClient | None, verify: bool = False, pause_mode: str | None = "in_place"):
+        self.plan, self.transport, self.groups = plan, transport, groups
+        self.coords = groups.coords
+        self.client, self.verify = client, verify
+        self.session = UpdateSession(client, pause_mode=pause_mode) if self.coords.rank == 0 else None
+
+    def push(self, local: Mapping[tuple[int, str], Tensor], *, weight_version: str) -> SyncStats | None:
+        start = time.perf_counter()
+        opened = self._on_rank_zero(lambda: self._open(weight_version))
+        opened = self.groups.share_from_zero(opened, phase="open update session")
+        if opened is not None:
+            raise WeightSyncError(opened if self.coords.rank == 0 else f"trainer rank 0: {opened}")
+        outcome = self._send_stage(local, weight_version=weight_version)
+        outcomes = self.groups.gather_all(outcome, phase="collect sender outcomes")
+        failures = [f"trainer rank {rank}: {error}" for rank, (error, _) in enumerate(outcomes) if error]
+        final = self._on_rank_zero(lambda: self._finish(failures, outcomes, weight_version))
+        final = self.groups.share_from_zero(final, phase="finish update session")
+        if final is not None:
+            raise WeightSyncError(final)
+        if self.coords.rank != 0:
+            return None
+        digests = {name: digest for _, stage in outcomes for name, digest in stage.items()}
+        return SyncStats(len(self.plan.hf_names()), self.plan.nbytes, time.perf_counter() - start, digests)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def _open(self, weight_version: str) -> None:
+        self.session.open()
+        try:
+            self.transport.prepare(weight_version=weight_version)
+        except BaseException:
+            self.session.abort()
+            raise
+
+    def _send_stage(self, local, *, weight_version: str) -> tuple[str | None, dict[str, str]]:
+        """(error or None, digests) of this rank's part; never raises, so every rank reaches the exchange."""
+        if self.coords.dp_rank != 0:
+            return None, {}
+        try:
+            assemble = StageAssembler(self.plan, local, self.groups)
+            sender = self.coords.tp_rank == 0
+            if sender:
+                self.transport.start_stage(self.coords.pp_rank, weight_version=weight_version)
+            digests = run_stage(self.plan.stage_buckets(self.coords.pp_rank), assemble=assemble,
+                                transport=self.transport if sender else None, verify=self.verify,
+                                timeout_s=self.groups.timeout_s)
+            return None, digests
+        except Exception as error:  # noqa: BLE001 - reported through the exchange, raised on every rank
+            return _describe(error), {}
+
+    def _finish(self, failures: list[str], outcomes, weight_version: str) -> None:
+        if failures:
+            self._abort_quietly()
+            raise WeightSyncError("weight sync failed: " + " | ".join(failures))
+        try:
+            self.transport.commit(weight_version=weight_version)
+            if self.verify:
+                expected = {name: digest for _, stage in outcomes for name, digest in stage.items()}
+                verify_server_checksums(self.client, expected)
+        except BaseException:
+            self._abort_quietly()
+            raise
+        self.session.close(weight_version=weight_version)
+
+    def _abort_quietly(self) -> None:
+        try:
+            self.session.abort()
+        except WeightSyncError:
+            pass  # the original failure is what the caller needs to see
+
+    def _on_rank_zero(self, action) -> str | None:
+        """Run `action` on rank 0; its error message (or None) to share with the other ranks."""
+        if self.coords.rank != 0:
+            return None
+        try:
+            action()
+        except Exception as error:  # noqa: BLE001 - shared with every rank, then raised
+            return _describe(error)
+        return None
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, (WeightSyncError, ValueError)):
+        return str(error)
+    return "".join(traceback.format_exception_only(error)).strip()

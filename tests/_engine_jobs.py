@@ -1,0 +1,170 @@
+"""Spawned engine jobs shared by several test modules, run at most once per pytest session.
+
+Start-up (imports in fresh processes) dominates the engine tests on 2 cores: the layout
+matrix job serves the forward/training and the packing tests, the checkpoint job's
+TP2xPP2 checkpoint also serves the export tests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from _engine_spawn import run_spawned
+from _engine_workers import checkpoint_outputs, matrix_outputs
+
+TINY = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+    attn_implementation="eager",
+)
+MATRIX_MODELS = {  # the first one also runs a PPO update per layout
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, rope_theta=5000.0)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=16)),
+}
+# All layouts run in one 4-process job (the layout is switched in place): DP fills the rest.
+WORLD_SIZE = 4
+LAYOUTS = {
+    "tp1pp1": dict(tp=1, pp=1),
+    "tp2pp1": dict(tp=2, pp=1),
+    "tp1pp2": dict(tp=1, pp=2),
+    "tp2pp2": dict(tp=2, pp=2),
+    "pp2vpp2": dict(tp=1, pp=2, vpp=2),
+}
+PROMPT, RESPONSE, MATRIX_ROWS = 6, 7, 8
+MATRIX_PPO = dict(
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=3.0,
+    loss_agg_mode="token-mean",
+    entropy_coeff=0.01,
+    use_kl_loss=True,
+    kl_loss_coef=0.1,
+    kl_loss_type="low_var_kl",
+    temperature=0.8,
+)
+
+
+def _matrix_batch() -> dict:
+    gen = torch.Generator().manual_seed(11)
+    input_ids = torch.randint(0, 300, (MATRIX_ROWS, PROMPT + RESPONSE), generator=gen)
+    mask = torch.ones(MATRIX_ROWS, PROMPT + RESPONSE, dtype=torch.long)
+    pads = [(0, 0), (2, 3), (5, 0), (1, 6), (3, 1), (0, 5), (4, 2), (2, 0)]
+    for row, (left_pad, right_pad) in enumerate(pads):
+        mask[row, :left_pad] = 0
+        mask[row, PROMPT + RESPONSE - right_pad :] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    loss_mask = mask.clone()
+    loss_mask[:, :PROMPT] = 0
+    response_mask = mask[:, PROMPT:].clone()
+    noise = torch.randn(MATRIX_ROWS, RESPONSE, generator=gen)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "loss_mask": loss_mask,
+        "response_mask": response_mask,
+        # Log-probs of a near-uniform policy over 300 tokens, spread so some ratios clip.
+        "old_log_probs": -5.7 + 0.3 * noise,
+        "ref_log_prob": -5.7 + 0.2 * noise.flip(0),
+        "advantages": torch.randn(MATRIX_ROWS, RESPONSE, generator=gen),
+    }
+
+
+@functools.cache
+def matrix_job() -> dict:
+    """HF models (random weights, randomised norms and biases) saved to a temp dir, the batch,
+    and every rank's {layout: outputs} of `matrix_outputs` in one 4-process job."""
+    root = Path(tempfile.mkdtemp(prefix="megarl-matrix-test-"))
+    atexit.register(shutil.rmtree, root, True)
+    models, checkpoints = {}, {}
+    for name, (config_cls, model_cls, extra) in MATRIX_MODELS.items():
+        torch.manual_seed(len(name))
+        model = model_cls(config_cls(**TINY, **extra)).eval()
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "norm" in param_name or param_name.endswith("bias"):
+                    param.uniform_(0.5, 1.5)
+        model.save_pretrained(root / name)
+        models[name], checkpoints[name] = model, str(root / name)
+    batch = _matrix_batch()
+    out = run_spawned(
+        matrix_outputs,
+        world_size=WORLD_SIZE,
+        layouts=LAYOUTS,
+        checkpoints=checkpoints,
+        batch=batch,
+        response_length=RESPONSE,
+        ppo=MATRIX_PPO,
+    )
+    return {"models": models, "checkpoints": checkpoints, "batch": batch, "out": out}
+
+
+CKPT_PROMPT, CKPT_RESPONSE, CKPT_ROWS = 5, 6, 8
+CKPT_PPO = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, entropy_coeff=0.0, temperature=1.0)
+# Warm-up makes every step's LR depend on the restored schedule; Adam moments on the optimizer.
+CKPT_TRAIN = dict(lr=1e-2, warmup_steps=4, clip_grad=1.0, weight_decay=0.01)
+
+
+def _checkpoint_batch() -> dict:
+    gen = torch.Generator().manual_seed(4)
+    input_ids = torch.randint(0, 200, (CKPT_ROWS, CKPT_PROMPT + CKPT_RESPONSE), generator=gen)
+    mask = torch.ones_like(input_ids)
+    for row, (left_pad, length) in enumerate([(0, 6), (2, 1), (4, 3), (1, 6), (0, 2), (3, 5), (2, 4), (1, 1)]):
+        mask[row, :left_pad] = 0
+        mask[row, CKPT_PROMPT + length :] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": mask[:, CKPT_PROMPT:].clone(),
+        "old_log_probs": -5.3 + 0.3 * torch.randn(CKPT_ROWS, CKPT_RESPONSE, generator=gen),
+        "advantages": torch.randn(CKPT_ROWS, CKPT_RESPONSE, generator=gen),
+    }
+
+
+@functools.cache
+def checkpoint_job() -> dict:
+    """{"hf_dir", "ckpt_dir", "batch", "out": rank outputs} of `checkpoint_outputs` on 4 ranks."""
+    from megarl.data.tokenizer import builtin_tokenizer_dir
+
+    root = Path(tempfile.mkdtemp(prefix="megarl-ckpt-test-"))
+    atexit.register(shutil.rmtree, root, True)
+    config = Qwen2Config(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(8)
+    Qwen2ForCausalLM(config).save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(builtin_tokenizer_dir() / name, root / "hf" / name)
+    batch = _checkpoint_batch()
+    out = run_spawned(
+        checkpoint_outputs,
+        world_size=4,
+        layout={"tp": 2, "pp": 2},
+        checkpoint=str(root / "hf"),
+        ckpt_dir=str(root / "ckpt"),
+        batch=batch,
+        ppo=CKPT_PPO,
+        train=CKPT_TRAIN,
+    )
+    return {"hf_dir": root / "hf", "ckpt_dir": root / "ckpt", "batch": batch, "out": out}

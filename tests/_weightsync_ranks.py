@@ -1,0 +1,84 @@
+"""Trainer-side helpers for the weight-sync tests, and the spawned trainer rank.
+
+Kept free of pytest and transformers: every spawned rank re-imports this module,
+and on two shared cores four ranks importing transformers took ~40 s.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import torch
+
+from megarl.models import arch_from_hf, hf_param_shapes, hf_to_megatron, shard_for_rank
+from megarl.rollout.client import RolloutClient
+from megarl.rollout.cpu_engine.checksum import tensor_digest
+from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
+
+API_KEY = "sync-key"
+CONFIG = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, max_position_embeddings=128, tie_word_embeddings=False)
+ARCH = arch_from_hf({"model_type": "llama", **CONFIG})
+BUCKET_BYTES = 40_000  # several buckets per stage
+PP_TRANSPORTS = {"distributed": 31, "tensor": 32, "disk": 33}  # transport -> weight seed
+
+
+def trainer_weights(seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in hf_param_shapes(ARCH).items():
+        noise = torch.randn(shape, generator=gen)
+        weights[name] = (1 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise).to(dtype)
+    return weights
+
+
+def local_shards(hf, layout: TrainerLayout, *, tp_rank: int = 0, pp_rank: int = 0, padded_vocab: int):
+    """What the (tp_rank, pp_rank) model chunks of a trainer at `layout` hold, keyed as the plan expects."""
+    full = hf_to_megatron(hf, ARCH, padded_vocab=padded_vocab)
+    chunks = shard_for_rank(full, num_layers=ARCH.num_layers, tie_word_embeddings=False, tp_rank=tp_rank,
+                            tp_size=layout.tp, pp_rank=pp_rank, pp_size=layout.pp, vpp_size=layout.vpp)
+    return {(vpp, name): tensor for vpp, chunk in enumerate(chunks) for name, tensor in chunk.items()}
+
+
+def server_digests(client: RolloutClient) -> dict[str, str]:
+    return client.run(client.request(client.urls[0], "GET", "/weights_checksum"))["checksums"]
+
+
+def reference_digests(hf) -> dict[str, str]:
+    return {name: tensor_digest(tensor) for name, tensor in hf.items()}
+
+
+def tp2_pp2_rank(rank: int, world_size: int, port: int, url: str, disk_dir: str, out_dir: str) -> None:
+    """One of four bf16 trainer ranks (TP2 x PP2): one sync per transport, each with other weights.
+
+    Rank 0 saves, per transport, its SyncStats and the server's digests right after that sync.
+    """
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                             world_size=world_size)
+        coords = RankCoords(rank=rank, world_size=world_size, tp_rank=rank % 2, tp_size=2, pp_rank=rank // 2,
+                            pp_size=2)
+        layout = TrainerLayout(tp=2, pp=2)
+        plan = build_plan(ARCH, layout, dtype=torch.bfloat16, bucket_bytes=BUCKET_BYTES)
+        groups = SyncGroups.build(coords, timeout_s=60)
+        client = RolloutClient([url], api_key=API_KEY, timeout_s=60) if coords.tp_rank == 0 else None
+        results = {}
+        for name, seed in PP_TRANSPORTS.items():
+            local = local_shards(trainer_weights(seed, torch.bfloat16), layout, tp_rank=coords.tp_rank,
+                                 pp_rank=coords.pp_rank, padded_vocab=plan.padded_vocab)
+            syncer = WeightSyncer(plan, make_transport(name, client, timeout_s=60, disk_dir=disk_dir), groups,
+                                  client=client, verify=True)
+            stats = syncer.push(local, weight_version=f"pp-{name}")
+            results[name] = (stats, server_digests(client) if rank == 0 else None)
+            syncer.close()
+        if client is not None:
+            client.close()
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
+        raise

@@ -1,0 +1,192 @@
+"""Each transport against a real CPU engine server: bit-identical weights, plain-forward log-probs, named failures.
+
+The trainer side is plain processes holding Megatron shards of an HF state dict
+(`shard_for_rank`): one in-process rank for TP1/PP1, and four spawned gloo ranks
+for TP2 x PP2 (bf16, two stages sending at once). "Bit-identical" is checked
+independently of the transport's own checksum mode: the server's
+`/weights_checksum` digests against digests of the trainer's HF tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _weightsync_ranks import (
+    API_KEY,
+    ARCH,
+    BUCKET_BYTES,
+    CONFIG,
+    PP_TRANSPORTS,
+    local_shards,
+    reference_digests,
+    server_digests,
+    tp2_pp2_rank,
+    trainer_weights,
+)
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from megarl.rollout.client import RolloutClient
+from megarl.rollout.cpu_engine.checksum import tensor_digest
+from megarl.rollout.server import start_cpu_engine
+from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncError, WeightSyncer, build_plan
+from megarl.weightsync import make_transport
+from megarl.weightsync.distributed_transport import DistributedTransport
+from megarl.weightsync.tensor_transport import TensorTransport
+
+pytestmark = pytest.mark.dist
+
+PROMPTS = [[1, 2, 3, 4, 5], [17, 42]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weightsync")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(root / "model")
+    handle = start_cpu_engine(root / "model", api_key=API_KEY, log_path=root / "server.log", weight_version="v0")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def client(server):
+    with RolloutClient([server.url], api_key=API_KEY, timeout_s=60) as client:
+        yield client
+
+
+def one_rank_syncer(client, transport, *, dtype=torch.float32, verify=True) -> WeightSyncer:
+    plan = build_plan(ARCH, TrainerLayout(), dtype=dtype, bucket_bytes=BUCKET_BYTES)
+    return WeightSyncer(plan, transport, SyncGroups.build(RankCoords(), timeout_s=30), client=client, verify=verify)
+
+
+@pytest.mark.parametrize("name", ["tensor", "distributed", "disk"])
+def test_transport_loads_the_trainer_weights_exactly(client, name, tmp_path):
+    syncer = one_rank_syncer(client, make_transport(name, client, timeout_s=30, disk_dir=tmp_path / "sync"))
+    try:
+        for step, seed in enumerate([11, 12]):  # the second sync reuses buffers (and broadcast groups)
+            hf = trainer_weights(seed)
+            local = local_shards(hf, TrainerLayout(), padded_vocab=syncer.plan.padded_vocab)
+            stats = syncer.push(local, weight_version=f"{name}-{step}")
+            held = server_digests(client)
+            assert {key: held[key] for key in hf} == reference_digests(hf)
+            assert stats.num_bytes == sum(t.numel() * 4 for t in hf.values()) and stats.gbps > 0
+            assert stats.checksums == reference_digests(hf)
+    finally:
+        syncer.close()
+    assert client.model_info()[0]["weight_version"] == f"{name}-1"
+    reference = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    reference.load_state_dict(hf)
+    results = client.generate(PROMPTS, max_new_tokens=4, temperature=0.0, return_logprob=True, ignore_eos=True)
+    for prompt, result in zip(PROMPTS, results):
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + result.output_ids])).logits[0]
+        expected = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1].gather(
+            1, torch.tensor(result.output_ids)[:, None])[:, 0]
+        assert result.output_ids == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert result.logprobs == pytest.approx(expected.tolist(), abs=1e-5)
+        assert result.weight_version == f"{name}-1"
+    if name == "disk":
+        assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["vdisk-1"]  # staging renamed, vdisk-0 removed
+
+
+class CorruptingTransport(TensorTransport):
+    """A faulty wire: flips the bits of one tensor after the sender digested it."""
+
+    victim = "model.layers.1.mlp.up_proj.weight"
+
+    def send(self, bucket, flat, *, last):
+        for tensor in bucket.tensors:
+            if tensor.name == self.victim:
+                flat[tensor.offset : tensor.offset + 4].bitwise_not_()
+        super().send(bucket, flat, last=last)
+
+
+def test_checksum_mismatch_raises_naming_the_tensor_and_keeps_the_old_version(client):
+    before = client.model_info()[0]["weight_version"]
+    syncer = one_rank_syncer(client, CorruptingTransport(client))
+    local = local_shards(trainer_weights(21), TrainerLayout(), padded_vocab=syncer.plan.padded_vocab)
+    with pytest.raises(WeightSyncError, match=r"verification failed.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        syncer.push(local, weight_version="corrupt")
+    # Not published, and the update session was closed (a new one opens fine).
+    assert client.model_info()[0]["weight_version"] == before
+    one_rank_syncer(client, TensorTransport(client)).push(local, weight_version="repaired")
+    assert server_digests(client)[CorruptingTransport.victim] == tensor_digest(
+        trainer_weights(21)[CorruptingTransport.victim])
+
+
+class _SilentPeer(BaseHTTPRequestHandler):
+    """Answers every SGLang control call with success, but never joins a process group."""
+
+    def do_GET(self):
+        self._reply({"tp_size": 1})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._reply({"success": True, "message": "ok"})
+
+    def _reply(self, payload):
+        body = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_peer_that_never_joins_times_out_with_a_named_error():
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), _SilentPeer)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{stub.server_address[1]}"
+    try:
+        with RolloutClient([url], timeout_s=2) as client:
+            syncer = one_rank_syncer(client, DistributedTransport(client, timeout_s=2.0), verify=False)
+            local = local_shards(trainer_weights(1), TrainerLayout(), padded_vocab=syncer.plan.padded_vocab)
+            start = time.monotonic()
+            with pytest.raises(WeightSyncError) as raised:
+                syncer.push(local, weight_version="never")
+            assert time.monotonic() - start < 20
+    finally:
+        stub.shutdown()
+    message = str(raised.value)
+    assert "init weight-update group" in message and "timed out after 2 s" in message
+    assert f"rank 1 = {url}: answered success" in message
+
+
+# ---- TP2 x PP2: four spawned trainer ranks (`_weightsync_ranks.tp2_pp2_rank`), two stage senders at once ----
+
+def test_tp2_pp2_stage_senders_sync_in_parallel(server, client, tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=tp2_pp2_rank, args=(rank, 4, port, server.url, str(tmp_path / "sync"),
+                                                     str(tmp_path))) for rank in range(4)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+    for proc in procs:  # only our own children, by handle
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    errors = [path.read_text() for path in sorted(tmp_path.glob("error*.txt"))]
+    assert not errors and [proc.exitcode for proc in procs] == [0] * 4, "\n".join(errors)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(4)]
+    for name, seed in PP_TRANSPORTS.items():
+        stats, digests = results[0][name]
+        hf = trainer_weights(seed, torch.bfloat16)
+        # bf16 trainer, float32 server: the widening cast is exact, so the digests agree.
+        assert {key: digests[key] for key in hf} == reference_digests(hf), name
+        assert stats.num_bytes == sum(t.numel() * 2 for t in hf.values())
+        assert all(results[rank][name][0] is None for rank in range(1, 4))
+    assert client.model_info()[0]["weight_version"] == "pp-disk"
