@@ -120,7 +120,13 @@ def _rank(rank: int, port: int, layout: dict, args: argparse.Namespace, out_dir:
             ),
             args.steps,
         )
-        result[mode] = {"real": real, "computed": computed, "micro_batches": len(micro), "step_s": step, "fwd_s": forward}
+        result[mode] = {
+            "real": real,
+            "computed": computed,
+            "micro_batches": len(micro),
+            "step_s": step,
+            "fwd_s": forward,
+        }
     result["dp_rank"], result["is_output"] = dp_rank, parallel_state.get_tensor_model_parallel_rank() == 0 and (
         parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     )

@@ -48,6 +48,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from megarl.engines.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.hf)
+    print(f"HF checkpoint written: {out}")
+    return 0
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     from megarl.config import recipe_json_schema
 
@@ -76,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(train)
     train.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one in-process")
     train.set_defaults(run=_cmd_train)
+
+    export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl checkpoint")
+    export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")
+    export.add_argument("--hf", type=Path, required=True, help="output directory for the HF checkpoint")
+    export.set_defaults(run=_cmd_export)
 
     schema = verbs.add_parser("schema", help="print the recipe JSON Schema")
     schema.set_defaults(run=_cmd_schema)

@@ -71,7 +71,11 @@ def _model_outputs(checkpoint: str, batch: dict, response_length: int) -> dict:
     log_probs, entropy = engine.compute_log_prob(temperature=1.0, micro_batch_size=3, with_entropy=True, **common)
     log_probs_t, none = engine.compute_log_prob(temperature=0.7, micro_batch_size=4, with_entropy=False, **common)
     packed_log_probs, packed_entropy = engine.compute_log_prob(
-        temperature=1.0, micro_batch_size=3, with_entropy=True, max_tokens_per_microbatch=PACKED_LOG_PROB_TOKENS, **common
+        temperature=1.0,
+        micro_batch_size=3,
+        with_entropy=True,
+        max_tokens_per_microbatch=PACKED_LOG_PROB_TOKENS,
+        **common,
     )
     shard = dp_shard({**inputs, "loss_mask": batch["loss_mask"]})
     sft = engine.sft_step(micro_batch_size=1, **shard)  # lr = 0: the weights stay
@@ -104,7 +108,8 @@ def _ppo_outputs(checkpoint: str, batch: dict, ppo: dict) -> dict:
     packed_metrics = engine.update_policy(
         micro_batch_size=1, shuffle=False, max_tokens_per_microbatch=PACKED_TRAIN_TOKENS, **shard, **ppo
     )
-    return {"metrics": metrics, "grads": grads, "packed_metrics": packed_metrics, "packed_grads": gathered_grads(engine)}
+    packed_grads = gathered_grads(engine)
+    return {"metrics": metrics, "grads": grads, "packed_metrics": packed_metrics, "packed_grads": packed_grads}
 
 
 def _micro_batch_counts(batch: dict) -> dict:
@@ -248,7 +253,9 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
     return out
 
 
-def moe_outputs(*, rank: int, layouts: dict, checkpoints: dict[str, str], batch: dict, response_length: int, ckpt_dir: str) -> dict:
+def moe_outputs(
+    *, rank: int, layouts: dict, checkpoints: dict[str, str], batch: dict, response_length: int, ckpt_dir: str
+) -> dict:
     """The matrix outputs of MoE checkpoints per layout (switched in place), plus the gathered HF
     weights; the first checkpoint is also saved at the first layout with EP > 1 and loaded
     back at every later layout (its log-probs then)."""

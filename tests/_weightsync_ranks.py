@@ -82,3 +82,33 @@ def tp2_pp2_rank(rank: int, world_size: int, port: int, url: str, disk_dir: str,
     except BaseException:
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: str) -> dict:
+    """Inside an initialised Megatron rank: `MegatronWorker.push_weights` through each path, as the controller calls it.
+
+    Returns, on trainer rank 0, each push's metrics and the server's digests right after it.
+    """
+    import json
+
+    from megarl.controller.engine_worker import MegatronWorker
+    from megarl.engines.actor import PolicyEngine
+
+    worker = MegatronWorker(rank=rank, world_size=torch.distributed.get_world_size())
+    hf_config = json.loads((Path(checkpoint) / "config.json").read_text())
+    worker.engine = PolicyEngine(hf_config=hf_config, weights=checkpoint, trainable=False)
+    client = RolloutClient([url], api_key=API_KEY, timeout_s=60) if rank == 0 else None
+    results = {}
+    for version, options in enumerate([dict(transport="distributed", verify="checksum"),
+                                       dict(transport="distributed", verify="checksum"),  # groups reused
+                                       dict(transport="disk", disk_dir=disk_dir, verify="checksum"),
+                                       dict(transport="tensor"),
+                                       dict()]):  # weight sync v1
+        metrics = worker.push_weights(urls=[url], api_key=API_KEY, version=version, bucket_mb=0.05, timeout_s=60,
+                                      **options)
+        if rank == 0:
+            results[version] = (metrics, server_digests(client), client.model_info()[0]["weight_version"])
+    worker.close_weight_sync()
+    if client is not None:
+        client.close()
+    return results

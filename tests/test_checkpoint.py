@@ -15,7 +15,7 @@ import torch
 
 from _engine_jobs import checkpoint_job
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one shared multi-process job, 20-50 s
 
 
 @pytest.fixture(scope="module")

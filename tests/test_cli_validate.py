@@ -147,7 +147,7 @@ def test_every_field_is_described_and_every_model_forbids_extras() -> None:
 def test_validate_subprocess_bad_recipe_exits_2_without_traceback(tmp_path: Path) -> None:
     recipe = yaml.safe_load(QUICKSTART.read_text())
     recipe["base"] = str(QUICKSTART.parent / recipe["base"])
-    recipe["actor"]["ppo_mini_batch_size"] = 100  # 32 prompts x 8 responses = 256 does not split into 100s
+    recipe["actor"]["ppo_mini_batch_size"] = 100  # 64 prompts x 8 responses = 512 does not split into 100s
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(recipe))
     result = subprocess.run(
@@ -161,6 +161,6 @@ def test_validate_subprocess_bad_recipe_exits_2_without_traceback(tmp_path: Path
     assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
     assert result.stderr.splitlines() == [
         "error: --set: actor.parallel.tp: world size 1 (pool 'colocated') is not divisible by tp*pp = 2*1 (got 2)",
-        f"error: {bad}: actor.ppo_mini_batch_size: must divide data.train_batch_size * rollout.n = 32*8 = 256"
+        f"error: {bad}: actor.ppo_mini_batch_size: must divide data.train_batch_size * rollout.n = 64*8 = 512"
         " (got 100)",
     ]

@@ -18,7 +18,7 @@ import torch
 
 from _engine_jobs import LAYOUTS, MATRIX_MODELS, MATRIX_ROWS, PROMPT, RESPONSE, WORLD_SIZE, matrix_job
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one shared multi-process job, 20-50 s
 MODELS, ROWS = MATRIX_MODELS, MATRIX_ROWS
 
 

@@ -21,7 +21,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from _engine_spawn import run_spawned
 from _engine_workers import moe_outputs
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one shared multi-process job, 20-50 s
 
 CONFIG = dict(
     vocab_size=300,

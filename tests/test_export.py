@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from _engine_jobs import checkpoint_job
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one shared multi-process job, 20-50 s
 
 _EXPORT = """
 import sys

@@ -1,9 +1,10 @@
 """Dynamic micro-batching by a token budget with sequence packing.
 
-The planning functions are pure and checked here against hand-worked examples. The engine results come from the layout-matrix job (`_engine_jobs`):
-at every layout (TP, PP, VPP, DP) packed log-probs, entropy, SFT and PPO gradients must
-equal the unpacked computation, and DP ranks with different numbers of bins must agree
-on one micro-batch count.
+The planning functions are pure and checked here against hand-worked examples. The
+engine results come from the layout-matrix job (`_engine_jobs`): at every layout (TP,
+PP, VPP, DP) packed log-probs, entropy, SFT and PPO gradients must equal the unpacked
+computation, and DP ranks with different numbers of bins must agree on one
+micro-batch count.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def results():
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_log_probs_equal_unpacked(results, layout):
     valid = results["batch"]["attention_mask"][:, PROMPT:].bool()
@@ -102,6 +104,7 @@ def test_packed_log_probs_equal_unpacked(results, layout):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_gradients_equal_unpacked(results, layout):
     for ranks in results["out"]:
@@ -125,6 +128,7 @@ def _assert_grads_close(got: dict, expected: dict, label: str) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dp_ranks_agree_on_the_packed_micro_batch_count(results, layout):
     counts = [ranks[layout]["micro_batches"] for ranks in results["out"]]

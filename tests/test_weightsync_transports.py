@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _engine_spawn import run_spawned
 from _weightsync_ranks import (
     API_KEY,
     ARCH,
@@ -25,6 +26,7 @@ from _weightsync_ranks import (
     CONFIG,
     PP_TRANSPORTS,
     local_shards,
+    megatron_worker_pushes,
     reference_digests,
     server_digests,
     tp2_pp2_rank,
@@ -173,12 +175,16 @@ def test_tp2_pp2_stage_senders_sync_in_parallel(server, client, tmp_path):
                                                      str(tmp_path))) for rank in range(4)]
     for proc in procs:
         proc.start()
-    for proc in procs:
-        proc.join(120)
+    # Poll instead of join(): a sender's torch_shm_manager (file_system sharing) inherits the
+    # child's end of join()'s sentinel pipe and keeps it open after the child has exited.
+    deadline = time.monotonic() + 120
+    while any(proc.exitcode is None for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
     for proc in procs:  # only our own children, by handle
-        if proc.is_alive():
+        if proc.exitcode is None:
             proc.kill()
-            proc.join()
+            while proc.exitcode is None:
+                time.sleep(0.1)
     errors = [path.read_text() for path in sorted(tmp_path.glob("error*.txt"))]
     assert not errors and [proc.exitcode for proc in procs] == [0] * 4, "\n".join(errors)
     results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(4)]
@@ -190,3 +196,21 @@ def test_tp2_pp2_stage_senders_sync_in_parallel(server, client, tmp_path):
         assert stats.num_bytes == sum(t.numel() * 2 for t in hf.values())
         assert all(results[rank][name][0] is None for rank in range(1, 4))
     assert client.model_info()[0]["weight_version"] == "pp-disk"
+
+
+@pytest.mark.slow
+def test_megatron_worker_pushes_through_every_path(server, tmp_path):
+    """The controller's entry point on real Megatron ranks (TP2 x PP2): each transport, then weight sync v1."""
+    hf = trainer_weights(41)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+    model.load_state_dict(hf)
+    model.save_pretrained(tmp_path / "trainer")
+    results = run_spawned(megatron_worker_pushes, world_size=4, layout={"tp": 2, "pp": 2}, timeout_s=240,
+                          checkpoint=str(tmp_path / "trainer"), url=server.url, disk_dir=str(tmp_path / "sync"))
+    assert all(result == {} for result in results[1:])
+    expected = reference_digests(hf)
+    for version, (metrics, digests, reported) in results[0].items():
+        assert {key: digests[key] for key in hf} == expected, version
+        assert reported == str(version)
+        assert metrics["perf/weight_sync_gbps"] > 0 and metrics["weight_sync/seconds"] > 0
+    assert results[0][0][0]["weight_sync/bytes"] == sum(t.numel() * 4 for t in hf.values())

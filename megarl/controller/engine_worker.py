@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import socket
-import warnings
 from typing import Any
 
 import torch
@@ -28,9 +27,6 @@ class MegatronWorker:
     def __init__(self, *, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.engine = None
-        # Without transformer-engine/apex megatron warns once per module import; the
-        # fallbacks are the intended CPU/local-spec path, not a problem to report.
-        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope).*")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     def master_endpoint(self) -> tuple[str, int]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from megarl.config import Recipe, dump_recipe
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.engine_worker import MegatronWorker
-from megarl.controller.fleet import RolloutFleet, start_rollout_fleet
+from megarl.controller.fleet import start_rollout_fleet
 from megarl.controller.placement import plan_pools
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
 from megarl.controller.roles import PolicyRole, Roles
@@ -83,11 +83,6 @@ def _ppo_kwargs(recipe: Recipe, dp_size: int) -> dict:
     )
 
 
-def _start_fleet(recipe: Recipe, *, pool, weights: Path, data, api_key: str, run_dir: Path) -> RolloutFleet:
-    return start_rollout_fleet(recipe, pool=pool, weights=weights, tokenizer=data.tokenizer, api_key=api_key,
-                               log_dir=run_dir / "logs")
-
-
 def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
                  cleanup: ExitStack) -> Roles:
     """Worker groups, the optional SFT warm-up, the fleet and the first weight sync; registers their teardown."""
@@ -111,7 +106,8 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
             named = next(sd for sd in actor_group.run("hf_state_dict") if sd is not None)
             ref_group.run("load_hf_state_dict", named)
     api_key = secrets.token_hex(16)
-    fleet = _start_fleet(recipe, pool=pools["rollout"], weights=weights, data=data, api_key=api_key, run_dir=run_dir)
+    fleet = start_rollout_fleet(recipe, pool=pools["rollout"], weights=weights, tokenizer=data.tokenizer,
+                                api_key=api_key, log_dir=run_dir / "logs")
     cleanup.callback(fleet.shutdown)
     # The fleet re-pushes the actor's current weights to a server it had to restart.
     fleet.set_weight_source(partial(actor.push_weights, api_key=api_key))

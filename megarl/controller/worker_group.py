@@ -85,10 +85,6 @@ class WorkerGroup:
         self.workers = []
 
 
-def concat_shards(shards: Sequence[Batch]) -> Batch:
-    return Batch.concat(list(shards))
-
-
 def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """Average each metric over the DP ranks that reported it."""
     keys = {key for metrics in per_rank for key in metrics}

@@ -10,6 +10,12 @@ On a CPU-only machine `cpu_compat` makes megatron run there; importing this pack
 installs its process-wide torch.cuda stubs first, so they precede every megatron import.
 """
 
-from megarl.engines import cpu_compat
+import warnings
+
+# Without transformer-engine and apex, megatron warns at import that it falls back
+# to its local/torch implementations: that is the intended path here, not a fault.
+warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope).*")
+
+from megarl.engines import cpu_compat  # noqa: E402  (after the filter, before any megatron import)
 
 cpu_compat.install_stubs()

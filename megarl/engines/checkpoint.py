@@ -54,7 +54,8 @@ def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo:
         raise InputError(f"checkpoint {ckpt_dir}: {METADATA_FILE} not found (not a megarl checkpoint, or incomplete)")
     data = json.loads(path.read_text())
     if data.get("format_version") != FORMAT_VERSION:
-        raise InputError(f"checkpoint {ckpt_dir}: format_version={data.get('format_version')!r}, expected {FORMAT_VERSION}")
+        version = data.get("format_version")
+        raise InputError(f"checkpoint {ckpt_dir}: format_version={version!r}, expected {FORMAT_VERSION}")
     return CheckpointInfo(
         hf_config=data["hf_config"],
         tokenizer_path=data["tokenizer_path"],

@@ -70,7 +70,7 @@ class MicroBatches:
         if self.packed:
             real = sum(int(mb["cu_seqlens"][-1]) for mb in self.batches)
         else:
-            real = sum(int((mb["attention_mask"].bool() & mb["valid_row"].bool().unsqueeze(1)).sum()) for mb in self.batches)
+            real = sum(int(mb["attention_mask"][mb["valid_row"].bool()].sum()) for mb in self.batches)
         return real, sum(mb["input_ids"].numel() for mb in self.batches)
 
 

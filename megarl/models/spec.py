@@ -164,7 +164,8 @@ def _moe_fields(hf_config: dict) -> dict:
         problems.append(f"model config: num_experts_per_tok={topk} must be in 1..num_experts={num_experts}")
     # Megatron's local spec puts experts in every layer; dense layers in between are not mapped.
     if int(hf_config.get("decoder_sparse_step", 1)) != 1:
-        problems.append(f"model config: decoder_sparse_step={hf_config['decoder_sparse_step']} is not supported (only 1)")
+        step = hf_config["decoder_sparse_step"]
+        problems.append(f"model config: decoder_sparse_step={step} is not supported (only 1)")
     if hf_config.get("mlp_only_layers"):
         problems.append(f"model config: mlp_only_layers={hf_config['mlp_only_layers']} is not supported (only [])")
     if problems:
