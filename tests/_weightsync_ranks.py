@@ -1,12 +1,17 @@
-"""Trainer-side helpers for the weight-sync tests, and the spawned trainer rank.
+"""Trainer-side helpers for the weight-sync tests, and the spawned trainer ranks.
 
 Kept free of pytest and transformers: every spawned rank re-imports this module,
 and on two shared cores four ranks importing transformers took ~40 s.
+`spawn_ranks` waits by polling exit codes, not `join()`: a tensor-transport
+sender starts torch's shared-memory manager (file_system sharing), which inherits
+the child's end of `join()`'s sentinel pipe and keeps it open after the child exited.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -50,51 +55,84 @@ def reference_digests(hf) -> dict[str, str]:
     return {name: tensor_digest(tensor) for name, tensor in hf.items()}
 
 
-def tp2_pp2_rank(rank: int, world_size: int, port: int, url: str, disk_dir: str, out_dir: str) -> None:
-    """One of four bf16 trainer ranks (TP2 x PP2): one sync per transport, each with other weights.
+def spawn_ranks(target, *, world_size: int, out_dir: Path, timeout_s: float, **kwargs) -> list:
+    """Run `target(rank=, world_size=, port=, out_dir=, **kwargs)` in `world_size` spawned processes; their results."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_run_rank, args=(target, rank, world_size, port, str(out_dir), kwargs))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    while any(proc.exitcode is None for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for proc in procs:  # only our own children, by handle
+        if proc.exitcode is None:
+            proc.kill()
+            while proc.exitcode is None:
+                time.sleep(0.1)
+    errors = [path.read_text() for path in sorted(Path(out_dir).glob("error*.txt"))]
+    if errors or any(proc.exitcode != 0 for proc in procs):
+        raise AssertionError(f"trainer ranks exited with {[p.exitcode for p in procs]} (timeout {timeout_s} s?):\n"
+                             + "\n".join(errors))
+    return [torch.load(Path(out_dir) / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
 
-    Rank 0 saves, per transport, its SyncStats and the server's digests right after that sync.
-    """
+
+def _run_rank(target, rank: int, world_size: int, port: int, out_dir: str, kwargs: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                             world_size=world_size)
-        coords = RankCoords(rank=rank, world_size=world_size, tp_rank=rank % 2, tp_size=2, pp_rank=rank // 2,
-                            pp_size=2)
-        layout = TrainerLayout(tp=2, pp=2)
-        plan = build_plan(ARCH, layout, dtype=torch.bfloat16, bucket_bytes=BUCKET_BYTES)
-        groups = SyncGroups.build(coords, timeout_s=60)
-        client = RolloutClient([url], api_key=API_KEY, timeout_s=60) if coords.tp_rank == 0 else None
-        results = {}
-        for name, seed in PP_TRANSPORTS.items():
-            local = local_shards(trainer_weights(seed, torch.bfloat16), layout, tp_rank=coords.tp_rank,
-                                 pp_rank=coords.pp_rank, padded_vocab=plan.padded_vocab)
-            syncer = WeightSyncer(plan, make_transport(name, client, timeout_s=60, disk_dir=disk_dir), groups,
-                                  client=client, verify=True)
-            stats = syncer.push(local, weight_version=f"pp-{name}")
-            results[name] = (stats, server_digests(client) if rank == 0 else None)
-            syncer.close()
-        if client is not None:
-            client.close()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        torch.distributed.destroy_process_group()
+        result = target(rank=rank, world_size=world_size, port=port, **kwargs)
+        torch.save(result, Path(out_dir) / f"result{rank}.pt")
     except BaseException:
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
 
 
-def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: str) -> dict:
-    """Inside an initialised Megatron rank: `MegatronWorker.push_weights` through each path, as the controller calls it.
+def tp2_pp2_rank(*, rank: int, world_size: int, port: int, url: str, disk_dir: str) -> dict:
+    """One of four bf16 trainer ranks (TP2 x PP2): one sync per transport, each with other weights.
 
-    Returns, on trainer rank 0, each push's metrics and the server's digests right after it.
+    Returns, per transport, its SyncStats and (rank 0) the server's digests right after that sync.
+    """
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world_size)
+    coords = RankCoords(rank=rank, world_size=world_size, tp_rank=rank % 2, tp_size=2, pp_rank=rank // 2,
+                        pp_size=2)
+    layout = TrainerLayout(tp=2, pp=2)
+    plan = build_plan(ARCH, layout, dtype=torch.bfloat16, bucket_bytes=BUCKET_BYTES)
+    groups = SyncGroups.build(coords, timeout_s=60)
+    client = RolloutClient([url], api_key=API_KEY, timeout_s=60) if coords.tp_rank == 0 else None
+    results = {}
+    for name, seed in PP_TRANSPORTS.items():
+        local = local_shards(trainer_weights(seed, torch.bfloat16), layout, tp_rank=coords.tp_rank,
+                             pp_rank=coords.pp_rank, padded_vocab=plan.padded_vocab)
+        syncer = WeightSyncer(plan, make_transport(name, client, timeout_s=60, disk_dir=disk_dir), groups,
+                              client=client, verify=True)
+        stats = syncer.push(local, weight_version=f"pp-{name}")
+        results[name] = (stats, server_digests(client) if rank == 0 else None)
+        syncer.close()
+    if client is not None:
+        client.close()
+    torch.distributed.destroy_process_group()
+    return results
+
+
+def megatron_worker_pushes(*, rank: int, world_size: int, port: int, checkpoint: str, url: str,
+                           disk_dir: str) -> dict:
+    """A Megatron rank (TP2 x PP2): `MegatronWorker.push_weights` through each path, as the controller calls it.
+
+    Returns, on trainer rank 0, each push's metrics, the server's digests and reported version after it.
     """
     import json
 
     from megarl.controller.engine_worker import MegatronWorker
     from megarl.engines.actor import PolicyEngine
+    from megarl.engines.distributed import destroy_distributed, init_distributed
 
-    worker = MegatronWorker(rank=rank, world_size=torch.distributed.get_world_size())
+    init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=2, pp=2)
+    worker = MegatronWorker(rank=rank, world_size=world_size)
     hf_config = json.loads((Path(checkpoint) / "config.json").read_text())
     worker.engine = PolicyEngine(hf_config=hf_config, weights=checkpoint, trainable=False)
     client = RolloutClient([url], api_key=API_KEY, timeout_s=60) if rank == 0 else None
@@ -111,4 +149,5 @@ def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: st
     worker.close_weight_sync()
     if client is not None:
         client.close()
+    destroy_distributed()
     return results

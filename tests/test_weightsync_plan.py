@@ -19,6 +19,8 @@ from megarl.weightsync.plan import Run, TrainerLayout, assemble_bucket, build_pl
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2)
+MOE = dict(model_type="qwen3_moe", head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+           norm_topk_prob=True, tie_word_embeddings=False)
 FAMILIES = {
     "llama": dict(model_type="llama", tie_word_embeddings=False),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),  # q/k/v biases, tied embeddings
@@ -32,13 +34,14 @@ def random_hf(arch, seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
     return {name: torch.randn(t.shape, generator=gen).to(dtype) for name, t in random_hf_state_dict(arch, seed=0).items()}
 
 
-def rank_shards(hf, arch, layout: TrainerLayout, padded_vocab: int) -> dict[tuple[int, int], list[dict]]:
-    """shards[(tp_rank, pp_rank)] = the VPP chunk state dicts that rank's model holds."""
+def rank_shards(hf, arch, layout: TrainerLayout, padded_vocab: int) -> dict[tuple[int, int, int], list[dict]]:
+    """shards[(tp_rank, pp_rank, ep_rank)] = the VPP chunk state dicts that rank's model holds."""
     full = hf_to_megatron(hf, arch, padded_vocab=padded_vocab)
     return {
-        (tp, pp): shard_for_rank(full, num_layers=arch.num_layers, tie_word_embeddings=arch.tie_word_embeddings,
-                                 tp_rank=tp, tp_size=layout.tp, pp_rank=pp, pp_size=layout.pp, vpp_size=layout.vpp)
-        for tp in range(layout.tp) for pp in range(layout.pp)
+        (tp, pp, ep): shard_for_rank(full, num_layers=arch.num_layers, tie_word_embeddings=arch.tie_word_embeddings,
+                                     tp_rank=tp, tp_size=layout.tp, pp_rank=pp, pp_size=layout.pp,
+                                     vpp_size=layout.vpp, ep_rank=ep, ep_size=layout.ep)
+        for tp in range(layout.tp) for pp in range(layout.pp) for ep in range(layout.ep)
     }
 
 
@@ -47,7 +50,7 @@ def export(plan, shards) -> dict[str, torch.Tensor]:
     out = {}
     for bucket in plan.buckets:
         def shard_of(param, tp_rank, pp=bucket.pp_rank):
-            return shards[(tp_rank, pp)][param.vpp_rank][param.local_name]
+            return shards[(tp_rank, pp, param.ep_rank)][param.vpp_rank][param.local_name]
 
         for name, tensor in assemble_bucket(bucket, shard_of):
             assert name not in out, f"{name} sent twice"
@@ -143,7 +146,32 @@ def test_bf16_buckets_write_into_a_given_buffer():
     shards = rank_shards(hf, arch, layout, plan.padded_vocab)
     bucket = plan.buckets[1]
     out = torch.full((bucket.nbytes + 10,), 7, dtype=torch.uint8)
-    named = assemble_bucket(bucket, lambda param, r: shards[(r, 0)][param.vpp_rank][param.local_name], out=out)
+    named = assemble_bucket(bucket, lambda param, r: shards[(r, 0, 0)][param.vpp_rank][param.local_name], out=out)
     for name, view in named:
         assert view.data_ptr() >= out.data_ptr() and torch.equal(view, hf[name]), name
     assert torch.equal(out[bucket.nbytes:], torch.full((10,), 7, dtype=torch.uint8))  # nothing past the bucket
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 2), (1, 2, 2), (2, 2, 2), (1, 1, 4)])
+def test_moe_experts_are_sent_by_the_ep_rank_that_holds_them(tp, pp, ep):
+    arch = arch_from_hf({**BASE, **MOE})
+    hf = random_hf(arch, seed=ep)
+    layout = TrainerLayout(tp=tp, pp=pp, dp=ep, ep=ep)
+    plan = build_plan(arch, layout, dtype=torch.float32, bucket_bytes=20_000)
+    got = export(plan, rank_shards(hf, arch, layout, plan.padded_vocab))
+    assert sorted(got) == sorted(hf)
+    for name, tensor in hf.items():
+        assert torch.equal(got[name], tensor), name
+    per_rank = 4 // ep
+    for bucket in plan.buckets:
+        # DP rank r < ep holds EP rank r's experts (Megatron's default rank order).
+        assert bucket.sender_rank == layout.global_rank(tp_rank=0, pp_rank=bucket.pp_rank, dp_rank=bucket.ep_rank)
+        for param in bucket.params:
+            for out in param.outputs:
+                if ".mlp.experts." in out.name:
+                    expert = int(out.name.split(".mlp.experts.")[1].split(".")[0])
+                    assert param.ep_rank == bucket.ep_rank == expert // per_rank, out.name
+                    # Local names count experts from 0 on every EP rank.
+                    assert f"local_experts.{expert % per_rank}." in param.local_name
+                else:
+                    assert bucket.ep_rank == 0, out.name  # dense tensors: EP rank 0 sends them

@@ -10,15 +10,12 @@ independently of the transport's own checksum mode: the server's
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _engine_spawn import run_spawned
 from _weightsync_ranks import (
     API_KEY,
     ARCH,
@@ -29,6 +26,7 @@ from _weightsync_ranks import (
     megatron_worker_pushes,
     reference_digests,
     server_digests,
+    spawn_ranks,
     tp2_pp2_rank,
     trainer_weights,
 )
@@ -36,10 +34,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.cpu_engine.checksum import tensor_digest
-from megarl.rollout.server import start_cpu_engine
+from megarl.rollout.server import free_port, start_cpu_engine
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncError, WeightSyncer, build_plan
 from megarl.weightsync import make_transport
 from megarl.weightsync.distributed_transport import DistributedTransport
+from megarl.weightsync.engine_sync import EngineWeightSync
 from megarl.weightsync.tensor_transport import TensorTransport
 
 pytestmark = pytest.mark.dist
@@ -167,27 +166,8 @@ def test_a_peer_that_never_joins_times_out_with_a_named_error():
 # ---- TP2 x PP2: four spawned trainer ranks (`_weightsync_ranks.tp2_pp2_rank`), two stage senders at once ----
 
 def test_tp2_pp2_stage_senders_sync_in_parallel(server, client, tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=tp2_pp2_rank, args=(rank, 4, port, server.url, str(tmp_path / "sync"),
-                                                     str(tmp_path))) for rank in range(4)]
-    for proc in procs:
-        proc.start()
-    # Poll instead of join(): a sender's torch_shm_manager (file_system sharing) inherits the
-    # child's end of join()'s sentinel pipe and keeps it open after the child has exited.
-    deadline = time.monotonic() + 120
-    while any(proc.exitcode is None for proc in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for proc in procs:  # only our own children, by handle
-        if proc.exitcode is None:
-            proc.kill()
-            while proc.exitcode is None:
-                time.sleep(0.1)
-    errors = [path.read_text() for path in sorted(tmp_path.glob("error*.txt"))]
-    assert not errors and [proc.exitcode for proc in procs] == [0] * 4, "\n".join(errors)
-    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(4)]
+    results = spawn_ranks(tp2_pp2_rank, world_size=4, out_dir=tmp_path, timeout_s=120, url=server.url,
+                          disk_dir=str(tmp_path / "sync"))
     for name, seed in PP_TRANSPORTS.items():
         stats, digests = results[0][name]
         hf = trainer_weights(seed, torch.bfloat16)
@@ -205,7 +185,7 @@ def test_megatron_worker_pushes_through_every_path(server, tmp_path):
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
     model.load_state_dict(hf)
     model.save_pretrained(tmp_path / "trainer")
-    results = run_spawned(megatron_worker_pushes, world_size=4, layout={"tp": 2, "pp": 2}, timeout_s=240,
+    results = spawn_ranks(megatron_worker_pushes, world_size=4, out_dir=tmp_path, timeout_s=240,
                           checkpoint=str(tmp_path / "trainer"), url=server.url, disk_dir=str(tmp_path / "sync"))
     assert all(result == {} for result in results[1:])
     expected = reference_digests(hf)
@@ -214,3 +194,36 @@ def test_megatron_worker_pushes_through_every_path(server, tmp_path):
         assert reported == str(version)
         assert metrics["perf/weight_sync_gbps"] > 0 and metrics["weight_sync/seconds"] > 0
     assert results[0][0][0]["weight_sync/bytes"] == sum(t.numel() * 4 for t in hf.values())
+
+
+class _Chunk:
+    """Stands in for a model chunk: `local_shards` only reads `state_dict()`."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def state_dict(self):
+        return self.tensors
+
+
+def test_distributed_groups_are_rebuilt_after_a_server_restarts_at_the_same_url(tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(tmp_path / "model")
+    port = free_port()
+    plan = build_plan(ARCH, TrainerLayout(), dtype=torch.float32, bucket_bytes=BUCKET_BYTES)
+    sync = EngineWeightSync()
+    for seed in (51, 52):  # the second push finds a new server process behind the same URL
+        handle = start_cpu_engine(tmp_path / "model", port=port, api_key=API_KEY, log_path=tmp_path / f"{seed}.log")
+        try:
+            hf = trainer_weights(seed)
+            local = local_shards(hf, TrainerLayout(), padded_vocab=plan.padded_vocab)
+            metrics = sync.push(chunks=[_Chunk({name: t for (_, name), t in local.items()})], arch=ARCH,
+                                padded_vocab=plan.padded_vocab, coords=RankCoords(), urls=[handle.url],
+                                api_key=API_KEY, version=seed, transport="distributed", bucket_mb=0.05,
+                                verify="checksum", timeout_s=30, disk_dir=None)
+            assert metrics["weight_sync/bytes"] == plan.nbytes
+            with RolloutClient([handle.url], api_key=API_KEY) as client:
+                assert {key: server_digests(client)[key] for key in hf} == reference_digests(hf)
+        finally:
+            handle.stop()
+    sync.close()

@@ -64,9 +64,8 @@ def _load_shape(read_config: Callable[[], dict[str, Any]], key: str) -> tuple[di
 
 def _check_model_source(recipe: Recipe) -> list[Problem]:
     model = recipe.model
-    if (model.path is None) == (model.config is None):
-        given = {"path": model.path, "config": "{...}" if model.config is not None else None}
-        return [_problem("model.path", "give exactly one of model.path and model.config (null the other)", given)]
+    if model.path is None and model.config is None:
+        return [_problem("model.path", "give model.path, model.config, or both", {"path": None, "config": None})]
     return []
 
 

@@ -22,25 +22,50 @@ _SCORER_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="HF checkpoint dir (config.json + safetensors); exclusive with config")
+    path: str | None = Field(None, description="HF checkpoint dir (config.json + safetensors)")
     config: dict[str, Any] | None = Field(
-        None, description="inline HF config dict (model_type, hidden_size, ...) for a randomly initialised model"
+        None,
+        description="inline HF config dict (model_type, hidden_size, ...): alone, a randomly initialised model; "
+        "with path, the checkpoint's config (checked against <path>/config.json when that exists, "
+        "used for validation where it does not)",
     )
     tokenizer: str = Field("builtin", description="tokenizer dir, or 'builtin' for megarl's in-repo tokenizer")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="parameter/compute dtype")
 
     def hf_config(self) -> dict[str, Any]:
-        """The HF config dict: the inline one, or `<path>/config.json` (InputError when missing or unreadable)."""
+        """The HF config dict: `<path>/config.json` when it exists, else the inline one.
+
+        With both, every key of the inline config must equal the checkpoint's (InputError
+        naming each key that differs). InputError when neither is given or readable.
+        """
+        if self.path is not None and (self.config is None or _config_file(self.path).exists()):
+            loaded = read_hf_config(self.path, key="model.path")
+            if self.config is not None:
+                _check_agrees(self.config, loaded, _config_file(self.path))
+            return loaded
         if self.config is not None:
             return dict(self.config)
-        if self.path is None:
-            raise InputError("model.path: give model.path or model.config (got None)")
-        return read_hf_config(self.path, key="model.path")
+        raise InputError("model.path: give model.path or model.config (got None)")
+
+
+def _config_file(checkpoint_dir: str) -> Path:
+    return Path(checkpoint_dir).expanduser() / "config.json"
+
+
+def _check_agrees(inline: dict[str, Any], loaded: dict[str, Any], config_file: Path) -> None:
+    """InputError with one line per key of `model.config` that `config_file` does not match."""
+    problems = [
+        f"model.config.{key}: {config_file} has {loaded.get(key, '<missing>')!r} (got {value!r})"
+        for key, value in inline.items()
+        if key not in loaded or loaded[key] != value
+    ]
+    if problems:
+        raise InputError(problems)
 
 
 def read_hf_config(checkpoint_dir: str, *, key: str) -> dict[str, Any]:
     """`<checkpoint_dir>/config.json` as a dict; InputError lines name `key` (the recipe key holding the dir)."""
-    config_file = Path(checkpoint_dir).expanduser() / "config.json"
+    config_file = _config_file(checkpoint_dir)
     try:
         loaded = json.loads(config_file.read_text())
     except FileNotFoundError:

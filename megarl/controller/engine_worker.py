@@ -115,6 +115,46 @@ class MegatronWorker:
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
             inner.optimizer.state.clear()
 
+    def init_critic(self, *, master_addr: str, master_port: int, parallel: dict, engine_kwargs: dict) -> None:
+        """Like `init_engine`, but this rank hosts a `ValueEngine` (the GAE critic)."""
+        from megarl.engines.distributed import init_distributed
+
+        init_distributed(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+            tp=parallel["tp"],
+            pp=parallel["pp"],
+            vpp=parallel.get("vpp"),
+            ep=parallel.get("ep", 1),
+        )
+        from megarl.engines.critic import ValueEngine
+
+        self.engine = ValueEngine(**engine_kwargs)
+
+    def compute_values(self, shard: Batch, *, micro_batch_size: int) -> Batch | None:
+        values = self.engine.compute_values(
+            input_ids=shard["input_ids"],
+            attention_mask=shard["attention_mask"],
+            position_ids=shard["position_ids"],
+            response_length=shard["responses"].shape[1],
+            micro_batch_size=micro_batch_size,
+        )
+        return Batch.from_dict({"values": values}) if self._is_output() else None
+
+    def update_critic(self, shard: Batch, **value_kwargs) -> dict[str, float] | None:
+        metrics = self.engine.update_critic(
+            input_ids=shard["input_ids"],
+            attention_mask=shard["attention_mask"],
+            position_ids=shard["position_ids"],
+            response_mask=shard["response_mask"],
+            values=shard["values"],
+            returns=shard["returns"],
+            **value_kwargs,
+        )
+        return metrics if self._is_output() else None
+
     def push_weights(
         self,
         *,

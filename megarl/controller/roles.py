@@ -1,4 +1,4 @@
-"""The role objects the step loop talks to: policy (actor/reference), rollout fleet, reward.
+"""The role objects the step loop talks to: policy (actor/reference), critic, rollout fleet, reward.
 
 Each wraps a worker group or a service and exposes one method per phase, so
 the loop in `trainer.py` never sees Ray, HTTP or Megatron.
@@ -16,6 +16,7 @@ from megarl.protocol import Batch
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")
 UPDATE_KEYS = INPUT_KEYS + ("response_mask", "old_log_probs", "advantages")
+CRITIC_UPDATE_KEYS = INPUT_KEYS + ("response_mask", "values", "returns")
 
 
 class PolicyRole:
@@ -69,6 +70,29 @@ class PolicyRole:
         return next(result for result in results if result is not None)
 
 
+class CriticRole:
+    """The Megatron value model behind its worker group: values for GAE, PPO value updates."""
+
+    def __init__(self, group: WorkerGroup, *, values_micro_batch_size: int, update: dict[str, Any]):
+        self.group = group
+        self.values_micro_batch_size = values_micro_batch_size
+        self.update_kwargs = update
+
+    def compute_values(self, batch: Batch) -> Batch:
+        """Adds `values` [B, R]: V of the state before each response token."""
+        shards = self.group.dispatch_dp(
+            "compute_values", batch.select(list(INPUT_KEYS)), micro_batch_size=self.values_micro_batch_size
+        )
+        batch["values"] = Batch.concat(shards)["values"]
+        return batch
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """critic/{vf_loss, vf_clipfrac, grad_norm, lr}, averaged over DP ranks."""
+        per_rank = self.group.dispatch_dp("update_critic", batch.select(list(CRITIC_UPDATE_KEYS)),
+                                          **self.update_kwargs)
+        return mean_metrics(per_rank)
+
+
 @dataclass
 class Roles:
     """Everything one step needs, built once per run."""
@@ -77,7 +101,7 @@ class Roles:
     rollout: Any  # megarl.rollout.fleet.RolloutFleet
     reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
     reference: PolicyRole | None = None
-    critic: Any = None  # the critic role arrives with the GAE issue
+    critic: CriticRole | None = None
     kl_ctrl: Any = None
     api_key: str | None = None
     extras: dict = field(default_factory=dict)

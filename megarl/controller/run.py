@@ -15,12 +15,13 @@ from functools import partial
 from pathlib import Path
 
 from megarl.config import Recipe, dump_recipe
+from megarl.config.schema import read_hf_config
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.engine_worker import MegatronWorker
 from megarl.controller.fleet import start_rollout_fleet
 from megarl.controller.placement import plan_pools
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
-from megarl.controller.roles import PolicyRole, Roles
+from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.tracking import Tracker
 from megarl.controller.trainer import StepSettings, Trainer
@@ -41,19 +42,7 @@ def _policy_group(recipe: Recipe, pool, *, name: str, parallel, weights: Path, t
         params_dtype=recipe.model.dtype,
     )
     if trainable:
-        optim = actor.optim
-        engine_kwargs.update(
-            lr=optim.lr,
-            weight_decay=optim.weight_decay,
-            betas=tuple(optim.betas),
-            eps=optim.eps,
-            clip_grad=optim.clip_grad,
-            warmup_steps=optim.warmup_steps,
-            schedule=optim.schedule,
-            min_lr=optim.min_lr,
-            total_steps=recipe.trainer.total_steps * actor.ppo_epochs
-            * (recipe.data.train_batch_size * recipe.rollout.n // actor.ppo_mini_batch_size),
-        )
+        engine_kwargs.update(_optim_kwargs(recipe, actor))
     group.run(
         "init_engine",
         master_addr=master_addr,
@@ -62,6 +51,56 @@ def _policy_group(recipe: Recipe, pool, *, name: str, parallel, weights: Path, t
         engine_kwargs=engine_kwargs,
     )
     return group
+
+
+def _optim_kwargs(recipe: Recipe, section) -> dict:
+    """Optimizer and LR-schedule arguments of a trainable engine (`section`: recipe.actor or recipe.critic)."""
+    optim = section.optim
+    updates_per_step = section.ppo_epochs * (
+        recipe.data.train_batch_size * recipe.rollout.n // section.ppo_mini_batch_size
+    )
+    return dict(
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        warmup_steps=optim.warmup_steps,
+        schedule=optim.schedule,
+        min_lr=optim.min_lr,
+        total_steps=recipe.trainer.total_steps * updates_per_step,
+    )
+
+
+def _critic_group(recipe: Recipe, pool, *, weights: Path) -> WorkerGroup:
+    """The value model's worker group, its backbone from `critic.model_path` or the actor's checkpoint."""
+    critic = recipe.critic
+    group = WorkerGroup(MegatronWorker, pool, name="critic")
+    master_addr, master_port = group.run_rank(0, "master_endpoint")
+    engine_kwargs = dict(
+        hf_config=read_hf_config(critic.model_path, key="critic.model_path")
+        if critic.model_path else recipe.model.hf_config(),
+        weights=str(critic.model_path or weights),
+        seed=recipe.seed,
+        params_dtype=recipe.model.dtype,
+        **_optim_kwargs(recipe, critic),
+    )
+    group.run("init_critic", master_addr=master_addr, master_port=master_port,
+              parallel=critic.parallel.model_dump(), engine_kwargs=engine_kwargs)
+    return group
+
+
+def _critic_kwargs(recipe: Recipe, dp_size: int) -> dict:
+    critic = recipe.critic
+    return dict(
+        ppo_epochs=critic.ppo_epochs,
+        mini_batch_size=critic.ppo_mini_batch_size // dp_size,
+        micro_batch_size=critic.ppo_micro_batch_size,
+        shuffle=recipe.actor.shuffle,
+        seed=recipe.seed,
+        cliprange_value=critic.cliprange_value,
+        loss_agg_mode=critic.loss_agg_mode,
+    )
 
 
 def _ppo_kwargs(recipe: Recipe, dp_size: int) -> dict:
@@ -99,19 +138,30 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                                   weights=weights, trainable=False)
         cleanup.callback(ref_group.kill)
         reference = PolicyRole(ref_group, logprob_micro_batch_size=logprob_mbs)
+    critic = None
+    if recipe.critic is not None:
+        critic_group = _critic_group(recipe, pools["critic"], weights=weights)
+        cleanup.callback(critic_group.kill)
+        critic = CriticRole(critic_group, values_micro_batch_size=recipe.critic.ppo_micro_batch_size,
+                            update=_critic_kwargs(recipe, critic_group.dp_size))
     if recipe.sft_warmup.steps > 0:
         run_sft_warmup(actor, data, recipe, tracker)
-        if reference is not None:
-            # The reference is the policy RL starts from: the warmed-up weights, not the initial ones.
+        # The reference is the policy RL starts from: the warmed-up weights, not the initial ones;
+        # a critic without its own checkpoint starts from the same backbone.
+        followers = [reference.group] if reference is not None else []
+        if critic is not None and not recipe.critic.model_path:
+            followers.append(critic.group)
+        if followers:
             named = next(sd for sd in actor_group.run("hf_state_dict") if sd is not None)
-            ref_group.run("load_hf_state_dict", named)
+            for group in followers:
+                group.run("load_hf_state_dict", named)
     api_key = secrets.token_hex(16)
     fleet = start_rollout_fleet(recipe, pool=pools["rollout"], weights=weights, tokenizer=data.tokenizer,
                                 api_key=api_key, log_dir=run_dir / "logs")
     cleanup.callback(fleet.shutdown)
     # The fleet re-pushes the actor's current weights to a server it had to restart.
     fleet.set_weight_source(partial(actor.push_weights, api_key=api_key))
-    roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference,
+    roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference, critic=critic,
                   kl_ctrl=data.kl_ctrl, api_key=api_key)
     roles.sync_weights(version=0)
     return roles

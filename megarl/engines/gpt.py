@@ -194,7 +194,26 @@ def _layer_spec(arch: Arch) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=self_attention))
 
 
-def _build_chunk(arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_rank: int | None) -> GPTModel:
+class ValueHead(torch.nn.Module):
+    """Scalar value head in place of the LM output layer: hidden [s, b, h] -> ([s, b, 1], None).
+
+    Called by GPTModel's post-processing exactly like the output layer it replaces (same
+    arguments, same tuple result), so the model returns [b, s, 1] values instead of logits.
+    Replicated across TP: its input (the final-norm hidden state) is the same on every TP rank.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden_states: Tensor, weight: Tensor | None = None, runtime_gather_output=None):
+        return F.linear(hidden_states, self.weight, self.bias), None
+
+
+def _build_chunk(
+    arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_rank: int | None, value_head: bool = False
+) -> GPTModel:
     pp_rank, pp_size = (
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_world_size(),
@@ -209,7 +228,8 @@ def _build_chunk(arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_r
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        # A value model has no LM output to tie the embedding to.
+        share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_head,
         position_embedding_type="rope",
         rotary_base=arch.rotary_base,
         rope_scaling=arch.rope_scaling_factor is not None,
@@ -228,15 +248,26 @@ def _build_chunk(arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_r
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
         elif param.partition_dim != dim:
             raise ValueError(f"{name}: megatron splits dim {param.partition_dim}, the layout map says {dim}")
+    if value_head and post_process:
+        # Replaced after the TP tagging above: the head is replicated, not vocab-split.
+        model.output_layer = ValueHead(arch.hidden_size, config.params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
 
 
 def build_gpt(
-    hf_config: dict, *, params_dtype: str | torch.dtype | None = None, make_vocab_size_divisible_by: int = 128
+    hf_config: dict,
+    *,
+    params_dtype: str | torch.dtype | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    value_head: bool = False,
 ) -> GPTModelChunks:
-    """This rank's GPT chunks for `hf_config` at the current parallel layout, weights uninitialised."""
+    """This rank's GPT chunks for `hf_config` at the current parallel layout, weights uninitialised.
+
+    `value_head=True` builds a value model: the last stage ends in a `ValueHead` ([b, s, 1]
+    values) instead of the LM output layer, and embeddings are never tied.
+    """
     arch = arch_from_hf(hf_config)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     config = transformer_config(arch, params_dtype=resolve_dtype(params_dtype))
@@ -245,4 +276,5 @@ def build_gpt(
     )
     vpp_size = config.virtual_pipeline_model_parallel_size
     vpp_ranks = list(range(vpp_size)) if vpp_size else [None]
-    return GPTModelChunks([_build_chunk(arch, config, padded_vocab, v) for v in vpp_ranks], arch, config, padded_vocab)
+    chunks = [_build_chunk(arch, config, padded_vocab, v, value_head) for v in vpp_ranks]
+    return GPTModelChunks(chunks, arch, config, padded_vocab)

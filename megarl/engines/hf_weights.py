@@ -29,6 +29,7 @@ from megarl.models.sharding import (
 )
 
 Tensor = torch.Tensor
+_HEAD_PREFIX = "output_layer."
 
 
 def read_hf_checkpoint(path: str | Path) -> dict[str, Tensor]:
@@ -54,8 +55,12 @@ def _tensor_state(chunk: GPTModel) -> dict[str, Tensor]:
     return {name: value for name, value in chunk.state_dict().items() if isinstance(value, Tensor)}
 
 
-def load_hf_state_dict(model: GPTModelChunks, hf_sd: dict[str, Tensor]) -> None:
-    """Convert a full HF state dict to this rank's shards and copy it into the chunks."""
+def load_hf_state_dict(model: GPTModelChunks, hf_sd: dict[str, Tensor], *, backbone_only: bool = False) -> None:
+    """Convert a full HF state dict to this rank's shards and copy it into the chunks.
+
+    `backbone_only=True` (a value model) leaves the chunks' `output_layer.*` (the value head)
+    alone and ignores the LM head of `hf_sd`.
+    """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     full = hf_to_megatron(hf_sd, model.arch, padded_vocab=model.padded_vocab)
     shards = shard_for_rank(
@@ -72,6 +77,9 @@ def load_hf_state_dict(model: GPTModelChunks, hf_sd: dict[str, Tensor]) -> None:
     )
     for chunk, shard in zip(model.chunks, shards):
         target = _tensor_state(chunk)
+        if backbone_only:
+            target = {name: t for name, t in target.items() if not name.startswith(_HEAD_PREFIX)}
+            shard = {name: t for name, t in shard.items() if not name.startswith(_HEAD_PREFIX)}
         if set(target) != set(shard):
             raise ValueError(
                 f"weights do not fit the model chunk: missing {sorted(set(target) - set(shard))[:5]}, "

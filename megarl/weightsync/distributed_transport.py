@@ -11,6 +11,8 @@ Per bucket the metadata (`names`, `dtypes`, `shapes`, `load_format:
 (gloo on CPU, NCCL on GPU). The broadcast is polled next to the HTTP replies: a
 server that refuses the update fails the sync at once, one that stops answering
 fails it after `timeout_s`, each error naming the bucket, group and server.
+Replies are awaited lazily (at most two outstanding, all by the stage's last
+bucket), so a server applies bucket k while bucket k+1 is on the wire.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import torch
@@ -32,6 +34,7 @@ from megarl.weightsync.update_group import POLL_S, destroy_update_group, init_up
 
 Tensor = torch.Tensor
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_PENDING = 2  # bucket replies awaited at once: bounds the buckets a server holds received but not applied
 
 
 class DistributedTransport:
@@ -46,7 +49,8 @@ class DistributedTransport:
         self.group_prefix = group_prefix or f"megarl_{secrets.token_hex(4)}"
         self._groups: dict[int, tuple[str, dist.ProcessGroup]] = {}
         self._buffers: dict[int, Tensor] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sync-meta")
+        self._pool = ThreadPoolExecutor(MAX_PENDING + 1, thread_name_prefix="weight-sync-meta")
+        self._pending: list[Future] = []
 
     @property
     def device(self) -> torch.device:
@@ -87,14 +91,15 @@ class DistributedTransport:
             "flush_cache": last,
         }
         what = f"distributed transport, bucket {bucket.index} (PP stage {bucket.pp_rank}, group {name!r})"
-        replies = self._pool.submit(call_servers, self.client, "POST", "/update_weights_from_distributed", body,
-                                    phase=what)
+        self._pending.append(self._pool.submit(call_servers, self.client, "POST", "/update_weights_from_distributed",
+                                               body, phase=what))
         work = group.broadcast(flat[: bucket.nbytes], 0)
         deadline = time.monotonic() + self.timeout_s
         while not work.is_completed():
-            if replies.done() and replies.exception() is not None:
+            failed = next((reply for reply in self._pending if reply.done() and reply.exception()), None)
+            if failed is not None:
                 self._forget(bucket.pp_rank)  # the servers left the broadcast: this group is out of step
-                raise replies.exception()
+                raise failed.exception()
             if time.monotonic() > deadline:
                 self._forget(bucket.pp_rank)
                 raise WeightSyncError(f"{what}: broadcast timed out after {self.timeout_s:.0f} s; servers "
@@ -105,7 +110,10 @@ class DistributedTransport:
         except RuntimeError as error:
             self._forget(bucket.pp_rank)
             raise WeightSyncError(f"{what}: broadcast failed: {error}") from error
-        replies.result(timeout=self.timeout_s)
+        # The buffer is free once broadcast; the servers apply bucket k while bucket k+1 arrives.
+        # At most MAX_PENDING replies are awaited at once, all of them after the stage's last bucket.
+        while self._pending and (last or len(self._pending) > MAX_PENDING):
+            self._pending.pop(0).result(timeout=self.timeout_s)
 
     def commit(self, *, weight_version: str) -> None:
         pass
@@ -123,6 +131,7 @@ class DistributedTransport:
         Torn down in the background: a server may still be blocked receiving, and the
         error must reach the caller now, not after the server's own timeout.
         """
+        self._pending.clear()
         name, group = self._groups.pop(pp_rank)
         threading.Thread(target=destroy_update_group, args=(self.client, group), kwargs={"group_name": name},
                          daemon=True).start()

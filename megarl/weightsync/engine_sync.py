@@ -6,22 +6,27 @@ and the sync groups on first use, and keeps one `WeightSyncer` per (transport,
 settings, server set), so a distributed transport's broadcast groups live across
 steps. A push to a different server set that overlaps a known one means those
 servers were restarted (the fleet re-syncs a restarted server alone): syncers
-whose server sets contain them are closed, so their groups are set up afresh.
+whose server sets contain them are closed, so their groups are set up afresh. A
+distributed sync that fails on groups kept from an earlier sync is retried once
+with new groups (a server restarted at the same URL no longer knows them).
 Every rank must make the same calls in the same order (they are collective).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from megarl.models import experts_per_rank
 from megarl.models.spec import Arch
 from megarl.rollout.client import RolloutClient
 from megarl.weightsync import make_transport
 from megarl.weightsync.gather import local_shards
 from megarl.weightsync.groups import RankCoords, SyncGroups
 from megarl.weightsync.plan import TrainerLayout, build_plan
+from megarl.weightsync.session import WeightSyncError
 from megarl.weightsync.syncer import WeightSyncer
 
 VERIFY_MODES = ("none", "checksum")
@@ -54,9 +59,11 @@ class EngineWeightSync:
             raise ValueError(f"weight_sync.verify: {verify!r} is not one of {VERIFY_MODES}")
         local = local_shards(chunks)
         dtype = next(iter(local.values())).dtype
+        coords = _with_expert_parallel(coords, arch, local)
         if self._groups is None:
             self._groups = SyncGroups.build(coords, timeout_s=timeout_s)
-        layout = TrainerLayout(tp=coords.tp_size, pp=coords.pp_size, vpp=len(chunks), dp=coords.dp_size)
+        layout = TrainerLayout(tp=coords.tp_size, pp=coords.pp_size, vpp=len(chunks), dp=coords.dp_size,
+                               ep=coords.ep_size)
         plan_key = (layout, dtype, int(bucket_mb * 2**20), padded_vocab)
         if plan_key not in self._plans:
             self._plans[plan_key] = build_plan(arch, layout, dtype=dtype, bucket_bytes=plan_key[2],
@@ -64,15 +71,30 @@ class EngineWeightSync:
         servers = tuple(urls)
         key = (servers, api_key, transport, plan_key, verify, timeout_s, str(disk_dir))
         self._drop_restarted(servers, keep=key)
+        reused = key in self._syncers
+        syncer = self._syncer(key, coords=coords, disk_dir=disk_dir)
+        try:
+            stats = syncer.push(local, weight_version=str(version))
+        except WeightSyncError:
+            # Broadcast groups from an earlier sync go stale when a server restarts at the same
+            # URL (a one-server fleet re-syncs its restarted server with the same URL set). Every
+            # rank got the same error and knows the same history, so all retry once, afresh.
+            if not (reused and transport == "distributed"):
+                raise
+            self._close(key)
+            stats = self._syncer(key, coords=coords, disk_dir=disk_dir).push(local, weight_version=str(version))
+        return stats.metrics() if stats is not None else None
+
+    def _syncer(self, key: tuple, *, coords: RankCoords, disk_dir) -> WeightSyncer:
         if key not in self._syncers:
-            needs_client = coords.rank == 0 or (coords.is_sender and coords.dp_rank == 0)
+            servers, api_key, transport, plan_key, verify, timeout_s, _ = key
+            needs_client = coords.rank == 0 or coords.is_sender
             client = RolloutClient(list(servers), api_key=api_key, timeout_s=timeout_s) if needs_client else None
             sender_transport = make_transport(transport, client, timeout_s=timeout_s, disk_dir=disk_dir)
             syncer = WeightSyncer(self._plans[plan_key], sender_transport, self._groups, client=client,
                                   verify=verify == "checksum")
             self._syncers[key] = (syncer, client)
-        stats = self._syncers[key][0].push(local, weight_version=str(version))
-        return stats.metrics() if stats is not None else None
+        return self._syncers[key][0]
 
     def close(self) -> None:
         """Release every transport (leave the servers' broadcast groups) and close the clients."""
@@ -91,3 +113,16 @@ class EngineWeightSync:
         finally:
             if client is not None:
                 client.close()
+
+
+def _with_expert_parallel(coords: RankCoords, arch: Arch, local) -> RankCoords:
+    """`coords` with the EP rank and size, when the layout did not report them (MoE models only).
+
+    The EP size is how many ways this rank's layer holds the experts; the EP rank follows
+    Megatron's default order (tp-cp-ep-dp-pp), where DP rank r holds EP rank r % ep.
+    """
+    if not arch.is_moe or coords.ep_size > 1:
+        return coords
+    held = experts_per_rank([name for _, name in local], 1)
+    ep_size = arch.num_experts // held if held else 1
+    return replace(coords, ep_size=ep_size, ep_rank=coords.dp_rank % ep_size)

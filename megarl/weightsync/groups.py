@@ -3,7 +3,8 @@
 `RankCoords` is the rank's position (from `megarl.engines.distributed.parallel_layout()`,
 or written by hand in tests). `SyncGroups.build` is a collective over the default
 group: it learns every rank's coordinates and creates, with the sync's timeout,
-one TP group per PP stage of DP replica 0 (the buckets are gathered there; other
+one TP group per PP stage of DP replica 0 (dense buckets are gathered there; with
+MoE, DP ranks r < ep send EP rank r's experts, which are never TP-split; other
 replicas hold the same weights and stay idle) and a gloo control group over all
 ranks for the small object exchanges that keep every rank's outcome consistent.
 Building our own groups keeps megatron out of this package.
@@ -31,15 +32,18 @@ class RankCoords:
     pp_size: int = 1
     dp_rank: int = 0
     dp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
 
     @classmethod
     def from_layout(cls, layout: dict[str, Any]) -> RankCoords:
-        return cls(**{name: int(layout[name]) for name in cls.__dataclass_fields__})
+        """From `parallel_layout()`; EP keys are optional (a dense model has ep 1)."""
+        return cls(**{name: int(layout[name]) for name in cls.__dataclass_fields__ if name in layout})
 
     @property
     def is_sender(self) -> bool:
-        """TP rank 0 of DP replica 0: the rank that sends its PP stage's buckets."""
-        return self.tp_rank == 0 and self.dp_rank == 0
+        """TP rank 0 of the stage's first EP group (DP rank < ep): sends its (stage, EP rank)'s buckets."""
+        return self.tp_rank == 0 and self.dp_rank < self.ep_size
 
 
 class SyncGroups:
@@ -56,6 +60,10 @@ class SyncGroups:
         timeout = timedelta(seconds=timeout_s)
         everyone: list[Any] = [None] * coords.world_size
         dist.all_gather_object(everyone, coords)
+        senders = sorted((c.pp_rank, c.ep_rank) for c in everyone if c.is_sender)
+        if senders != [(pp, ep) for pp in range(coords.pp_size) for ep in range(coords.ep_size)]:
+            raise ValueError(f"weight sync needs one sender per (PP stage, EP rank) (TP rank 0, DP rank < ep); "
+                             f"the ranks give {senders}")
         tp_group, tp_ranks = None, [coords.rank]
         # new_group is collective over the default group: every rank creates every group, in the same order.
         for pp_rank in range(coords.pp_size):

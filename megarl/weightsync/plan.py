@@ -15,7 +15,10 @@ into its slot of a flat bucket buffer from the TP shards, one copy per byte.
 
 Senders: one per HF tensor, TP rank 0 / DP rank 0 of the PP stage that owns it
 (after a TP gather within the stage); with tied embeddings and PP > 1 the last
-stage's output-layer copy is not sent. Buckets are per PP stage, capped in bytes.
+stage's output-layer copy is not sent. MoE experts (never TP-split) are sent by
+the EP rank that holds them, renamed to their global expert index, so the EP
+ranks of a stage send in parallel. Buckets are per (PP stage, EP rank), capped in
+bytes; dense parameters go with EP rank 0.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from megarl.models import global_layer_index, hf_param_shapes, hf_to_megatron, megatron_to_hf
-from megarl.models import padded_vocab_size, shard_for_rank, tp_split_dim
+from megarl.models import experts_per_rank, global_expert_name, global_layer_index, hf_param_shapes, hf_to_megatron
+from megarl.models import is_expert, megatron_to_hf, padded_vocab_size, shard_for_rank, tp_split_dim
 from megarl.models.sharding import shard_tensor
 from megarl.models.spec import Arch
 
@@ -38,12 +41,14 @@ _ID_STRIDE = 2**32  # probe code = parameter index * stride + position (exact in
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """The trainer's parallel layout (Megatron's default rank order tp-cp-dp-pp, cp = 1)."""
+    """The trainer's parallel layout. EP splits the DP ranks of a stage (Megatron's default
+    order: tp-cp-ep-dp-pp with cp = 1, so DP rank r < ep holds EP rank r's experts)."""
 
     tp: int = 1
     pp: int = 1
     vpp: int = 1
     dp: int = 1
+    ep: int = 1
 
     def global_rank(self, *, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
@@ -75,13 +80,14 @@ class HFTensor:
 class ParamPlan:
     """One Megatron parameter: where it lives on the trainer and the HF tensors made from it."""
 
-    name: str  # global name (global layer index)
+    name: str  # global name (global layer and expert index)
     local_name: str  # name inside its model chunk
     pp_rank: int
     vpp_rank: int
     split_dim: int | None  # TP split dim; None = replicated (TP rank 0's copy is used)
     shard_shape: tuple[int, ...]
     outputs: tuple[HFTensor, ...]
+    ep_rank: int = 0  # the EP rank holding it (experts); 0 for dense parameters
 
     @property
     def shard_numel(self) -> int:
@@ -90,7 +96,7 @@ class ParamPlan:
 
 @dataclass(frozen=True)
 class Bucket:
-    """A size-capped group of parameters of one PP stage, sent as one flat buffer by `sender_rank`."""
+    """A size-capped group of parameters of one (PP stage, EP rank), sent as one flat buffer by `sender_rank`."""
 
     index: int
     pp_rank: int
@@ -98,6 +104,7 @@ class Bucket:
     params: tuple[ParamPlan, ...]
     nbytes: int
     dtype: torch.dtype
+    ep_rank: int = 0
 
     @property
     def tensors(self) -> tuple[HFTensor, ...]:
@@ -112,8 +119,10 @@ class ReshardPlan:
     padded_vocab: int
     buckets: tuple[Bucket, ...]
 
-    def stage_buckets(self, pp_rank: int) -> tuple[Bucket, ...]:
-        return tuple(bucket for bucket in self.buckets if bucket.pp_rank == pp_rank)
+    def stage_buckets(self, pp_rank: int, ep_rank: int | None = None) -> tuple[Bucket, ...]:
+        """The buckets of PP stage `pp_rank` (only EP rank `ep_rank`'s, if given)."""
+        return tuple(bucket for bucket in self.buckets
+                     if bucket.pp_rank == pp_rank and ep_rank in (None, bucket.ep_rank))
 
     def hf_names(self) -> list[str]:
         return [tensor.name for bucket in self.buckets for tensor in bucket.tensors]
@@ -142,12 +151,15 @@ def build_plan(
     meta_hf = {name: torch.empty(shape, device="meta") for name, shape in hf_param_shapes(arch).items()}
     full = hf_to_megatron(meta_hf, arch, padded_vocab=padded)
     outputs = _probe_outputs(full, arch, layout.tp)
+    if layout.ep > 1 and layout.dp % layout.ep:
+        raise ValueError(f"ep={layout.ep} must divide dp={layout.dp} (EP ranks are DP ranks of a stage)")
     buckets: list[Bucket] = []
     for pp_rank in range(layout.pp):
-        params = _stage_params(full, outputs, arch, layout, pp_rank)
-        sender = layout.global_rank(tp_rank=0, pp_rank=pp_rank)
-        buckets += _bucketize(params, pp_rank=pp_rank, sender=sender, dtype=dtype, cap=bucket_bytes,
-                              first_index=len(buckets))
+        for ep_rank in range(layout.ep):
+            params = _stage_params(full, outputs, arch, layout, pp_rank, ep_rank)
+            sender = layout.global_rank(tp_rank=0, pp_rank=pp_rank, dp_rank=ep_rank)
+            buckets += _bucketize(params, pp_rank=pp_rank, ep_rank=ep_rank, sender=sender, dtype=dtype,
+                                  cap=bucket_bytes, first_index=len(buckets))
     sent = [t.name for b in buckets for t in b.tensors]
     expected = set(meta_hf)
     if sorted(sent) != sorted(expected):
@@ -233,18 +245,23 @@ def _runs(ranks: Tensor, positions: Tensor) -> tuple[Run, ...]:
     )
 
 
-def _stage_params(full, outputs, arch: Arch, layout: TrainerLayout, pp_rank: int) -> list[ParamPlan]:
-    """The parameters PP stage `pp_rank` owns, in model-chunk order, with local names and shard shapes."""
+def _stage_params(full, outputs, arch: Arch, layout: TrainerLayout, pp_rank: int, ep_rank: int) -> list[ParamPlan]:
+    """What EP rank `ep_rank` of PP stage `pp_rank` sends, in model-chunk order: its experts, and
+    (EP rank 0) the dense parameters; with local names and shard shapes."""
     chunks = shard_for_rank(full, num_layers=arch.num_layers, tie_word_embeddings=arch.tie_word_embeddings,
-                            tp_rank=0, tp_size=layout.tp, pp_rank=pp_rank, pp_size=layout.pp, vpp_size=layout.vpp)
+                            tp_rank=0, tp_size=layout.tp, pp_rank=pp_rank, pp_size=layout.pp, vpp_size=layout.vpp,
+                            ep_rank=ep_rank, ep_size=layout.ep)
+    per_rank = experts_per_rank(full, layout.ep)
     params = []
     for vpp_rank, chunk in enumerate(chunks):
         for local_name, shard in chunk.items():
-            name = _global_name(local_name, arch, layout, pp_rank, vpp_rank)
+            name = global_expert_name(_global_name(local_name, arch, layout, pp_rank, vpp_rank), ep_rank, per_rank)
             if name not in full:
                 continue  # the last stage's copy of tied embeddings: the first stage sends them
+            if not is_expert(name) and ep_rank != 0:
+                continue  # dense parameters: every EP rank holds them, EP rank 0 sends them
             params.append(ParamPlan(name, local_name, pp_rank, vpp_rank, tp_split_dim(name), tuple(shard.shape),
-                                    outputs[name]))
+                                    outputs[name], ep_rank if is_expert(name) else 0))
     return params
 
 
@@ -257,7 +274,7 @@ def _global_name(local_name: str, arch: Arch, layout: TrainerLayout, pp_rank: in
     return f"decoder.layers.{layer}.{match.group(2)}"
 
 
-def _bucketize(params: list[ParamPlan], *, pp_rank: int, sender: int, dtype: torch.dtype, cap: int,
+def _bucketize(params: list[ParamPlan], *, pp_rank: int, ep_rank: int, sender: int, dtype: torch.dtype, cap: int,
                first_index: int) -> list[Bucket]:
     """Greedy size-capped buckets (a parameter larger than the cap gets a bucket of its own)."""
     element = torch.empty((), dtype=dtype).element_size()
@@ -266,7 +283,7 @@ def _bucketize(params: list[ParamPlan], *, pp_rank: int, sender: int, dtype: tor
     size = 0
 
     def close() -> None:
-        buckets.append(Bucket(first_index + len(buckets), pp_rank, sender, tuple(current), size, dtype))
+        buckets.append(Bucket(first_index + len(buckets), pp_rank, sender, tuple(current), size, dtype, ep_rank))
 
     for param in params:
         param_bytes = sum(_numel(out.shape) for out in param.outputs) * element

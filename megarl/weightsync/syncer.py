@@ -4,7 +4,8 @@
 1. rank 0 opens the update session on every server (`session.UpdateSession`)
    and lets the transport prepare; every rank learns whether that worked;
 2. each PP stage of DP replica 0 gathers and assembles its buckets; the
-   stage's TP rank 0 sends them (`pipeline.run_stage`), all stages at once;
+   stage's TP rank 0 sends them (`pipeline.run_stage`), all stages (and, for
+   MoE, the EP ranks of each stage with their experts) at once;
 3. every rank's outcome (and, in checksum mode, its digests) goes to every rank;
 4. if all succeeded rank 0 commits the transport, publishes the new version,
    verifies the checksums and closes the session; otherwise it aborts the
@@ -41,6 +42,7 @@ class WeightSyncer:
         self.coords = groups.coords
         self.client, self.verify = client, verify
         self.session = UpdateSession(client, pause_mode=pause_mode) if self.coords.rank == 0 else None
+        self._scratch: dict[str, Tensor] = {}  # TP gather buffers, kept across syncs
 
     def push(self, local: Mapping[tuple[int, str], Tensor], *, weight_version: str) -> SyncStats | None:
         start = time.perf_counter()
@@ -62,6 +64,7 @@ class WeightSyncer:
 
     def close(self) -> None:
         self.transport.close()
+        self._scratch.clear()
 
     def _open(self, weight_version: str) -> None:
         self.session.open()
@@ -73,16 +76,17 @@ class WeightSyncer:
 
     def _send_stage(self, local, *, weight_version: str) -> tuple[str | None, dict[str, str]]:
         """(error or None, digests) of this rank's part; never raises, so every rank reaches the exchange."""
-        if self.coords.dp_rank != 0:
+        coords = self.coords
+        # Senders, and the TP peers of DP replica 0 that join its gathers; the rest hold copies.
+        if not (coords.is_sender or coords.dp_rank == 0):
             return None, {}
         try:
-            assemble = StageAssembler(self.plan, local, self.groups)
-            sender = self.coords.tp_rank == 0
-            if sender:
-                self.transport.start_stage(self.coords.pp_rank, weight_version=weight_version)
-            digests = run_stage(self.plan.stage_buckets(self.coords.pp_rank), assemble=assemble,
-                                transport=self.transport if sender else None, verify=self.verify,
-                                timeout_s=self.groups.timeout_s)
+            buckets = self.plan.stage_buckets(coords.pp_rank, ep_rank=coords.ep_rank)
+            assemble = StageAssembler(self.plan, local, self.groups, self._scratch, buckets=buckets)
+            if coords.is_sender:
+                self.transport.start_stage(coords.pp_rank, weight_version=weight_version)
+            digests = run_stage(buckets, assemble=assemble, transport=self.transport if coords.is_sender else None,
+                                verify=self.verify, timeout_s=self.groups.timeout_s)
             return None, digests
         except Exception as error:  # noqa: BLE001 - reported through the exchange, raised on every rank
             return _describe(error), {}

@@ -14,6 +14,7 @@ new weights (SGLang's in-place behaviour) and report the new `weight_version`.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from megarl.rollout.cpu_engine.checksum import DIGEST_ALGORITHM
@@ -32,6 +33,7 @@ from megarl.rollout.cpu_engine.weights import (
 from megarl.rollout.tensor_transport import deserialize_named_tensors
 
 SERVER_VERSION = "megarl-cpu-engine/0.1 (SGLang 0.5.23 HTTP protocol)"
+RECENT_BUCKETS = 4  # two bucket buffers per sender, two PP stages
 
 
 @dataclass
@@ -64,6 +66,11 @@ class CpuEngine:
         self.weight_version = args.weight_version
         self._update_selector: str | None = None
         self._update_groups = UpdateGroups()
+        # The newest shared-memory bucket buffers received: a trainer reuses a few buffers,
+        # and while we hold a storage torch's cache maps its file once instead of once per
+        # bucket (re-mapping page-faulted ~0.15 s per 1.9 GB, a third of the update time).
+        # At most RECENT_BUCKETS buffers stay mapped after the trainer frees them.
+        self._recent_buckets: deque = deque(maxlen=RECENT_BUCKETS)
         self._control_lock = threading.Lock()
         self.scheduler = Scheduler(
             self.model,
@@ -122,6 +129,8 @@ class CpuEngine:
                 named = deserialize_named_tensors(serialized_named_tensors[0], load_format=load_format)
             except ValueError as error:
                 return False, str(error)
+            if load_format == "flattened_bucket" and named:
+                self._recent_buckets.append(named[0][1].untyped_storage())
             return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
 
     def update_weights_from_disk(
@@ -167,12 +176,12 @@ class CpuEngine:
             # Received outside the control lock, so groups of different trainer PP stages
             # receive concurrently. Everything is received even when the tensors will be
             # refused: a receiver that stops early would leave the trainer blocked in broadcast.
-            named = self._update_groups.receive(group_name, names, torch_dtypes, shapes,
-                                                flattened=load_format == "flattened_bucket")
+            with self._update_groups.received(group_name, names, torch_dtypes, shapes,
+                                              flattened=load_format == "flattened_bucket") as named:
+                with self._control_lock:
+                    return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
         except (ValueError, RuntimeError) as error:
             return False, str(error)
-        with self._control_lock:
-            return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
 
     def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
         try:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -22,6 +24,7 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 GROUP_TIMEOUT = timedelta(minutes=10)
+IDLE_BUFFERS = 3  # per group: a trainer keeps up to three buckets in flight
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -45,6 +48,7 @@ class UpdateGroups:
         self._lock = threading.Lock()
         self._groups: dict[str, torch.distributed.ProcessGroup | None] = {}  # None: still joining
         self._busy: dict[str, threading.Lock] = {}
+        self._idle: dict[str, list[torch.Tensor]] = {}  # flat receive buffers ready for reuse
 
     def join(self, *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str) -> None:
         """Block until every rank has joined the group (the trainer must join concurrently)."""
@@ -78,7 +82,8 @@ class UpdateGroups:
         _world.pg_group_ranks[group] = {index: index for index in range(world_size)}
         return group
 
-    def receive(
+    @contextmanager
+    def received(
         self,
         group_name: str,
         names: list[str],
@@ -86,24 +91,43 @@ class UpdateGroups:
         shapes: list[list[int]],
         *,
         flattened: bool = False,
-    ) -> NamedTensors:
-        """Receive the tensors broadcast from rank 0: one broadcast per name, or (`flattened`) one uint8
-        buffer holding their bytes back to back in order (SGLang's "flattened_bucket" load format)."""
+    ) -> Iterator[NamedTensors]:
+        """The tensors broadcast from rank 0, valid inside the `with` block: one broadcast per name, or
+        (`flattened`) one uint8 buffer holding their bytes back to back in order (SGLang's
+        "flattened_bucket" load format). Flat buffers are reused by later receives of the group:
+        fresh memory for every bucket cost more in page faults than the broadcast itself."""
         group, busy = self._group(group_name)
+        buffer = None
         with busy:
-            if not flattened:
-                named: NamedTensors = []
+            if flattened:
+                sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes)]
+                buffer = self._take_buffer(group_name, sum(sizes))
+                flat = buffer[: sum(sizes)]
+                group.broadcast(flat, 0).wait()
+                named = [(name, piece.view(dtype).view(shape))
+                         for name, piece, dtype, shape in zip(names, flat.split(sizes), dtypes, shapes)]
+            else:
+                named = []
                 for name, dtype, shape in zip(names, dtypes, shapes):
                     tensor = torch.empty(shape, dtype=dtype)
                     group.broadcast(tensor, 0).wait()
                     named.append((name, tensor))
-                return named
-            sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes)]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
-            group.broadcast(flat, 0).wait()
-            pieces = flat.split(sizes)
-            return [(name, piece.view(dtype).view(shape))
-                    for name, piece, dtype, shape in zip(names, pieces, dtypes, shapes)]
+        try:
+            yield named
+        finally:
+            if buffer is not None:
+                with self._lock:
+                    idle = self._idle.setdefault(group_name, [])
+                    if len(idle) < IDLE_BUFFERS:
+                        idle.append(buffer)
+
+    def _take_buffer(self, group_name: str, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            idle = self._idle.get(group_name, [])
+            for index, buffer in enumerate(idle):
+                if buffer.numel() >= nbytes:
+                    return idle.pop(index)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def destroy(self, group_name: str) -> None:
         group, busy = self._group(group_name)
@@ -112,6 +136,7 @@ class UpdateGroups:
         with self._lock:
             del self._groups[group_name]
             del self._busy[group_name]
+            self._idle.pop(group_name, None)
 
     def _group(self, group_name: str) -> tuple[torch.distributed.ProcessGroup, threading.Lock]:
         with self._lock:

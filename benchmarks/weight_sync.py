@@ -1,0 +1,243 @@
+"""Benchmark: each weight-sync transport end to end, next to the memcpy and raw gloo-broadcast bounds.
+
+A Llama-shaped model (default: hidden 2048, 16 layers, 16 heads, ffn 5632,
+vocab 32000: 0.95B parameters, 1.9 GB in bf16) lives as random bf16 shards in
+four trainer processes (TP2 x PP2, gloo); one megarl CPU engine server (float32)
+receives it. Each transport syncs `--syncs` times; the table reports the median
+of the syncs after the first (the first also pays one-time set-up: broadcast
+groups, shared memory, page faults), as seconds from opening the update session
+on the server to closing it. Next to
+them, measured in the same run on the same bytes: one memcpy (single thread, as
+every rank runs with OMP_NUM_THREADS=1) and a raw gloo broadcast between two
+processes in the same bucket-sized pieces. Targets: tensor within 2x of memcpy,
+distributed within 3x of the raw broadcast.
+
+    python benchmarks/weight_sync.py                                  # ~0.95B, ~12 GB peak
+    python benchmarks/weight_sync.py --hidden 1024 --layers 12 --ffn 2816   # ~0.2B
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from megarl.models import arch_from_hf, hf_param_shapes
+from megarl.rollout.client import RolloutClient
+from megarl.rollout.server import start_cpu_engine
+from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
+
+API_KEY = "bench"
+TP, PP = 2, 2
+
+
+def hf_config(args) -> dict:
+    return {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": args.vocab,
+        "hidden_size": args.hidden, "intermediate_size": args.ffn, "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads, "num_key_value_heads": args.heads, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    }
+
+
+def write_checkpoint(config: dict, path: Path) -> None:
+    """Random bf16 HF weights, one tensor at a time (the server's starting weights)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    shapes = hf_param_shapes(arch_from_hf(config))
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        nbytes = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    gen = torch.Generator().manual_seed(0)
+    with open(path / "model.safetensors", "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, shape in shapes.items():
+            tensor = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+            handle.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
+
+
+def memcpy_seconds(nbytes: int) -> float:
+    torch.set_num_threads(1)
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.zeros(nbytes, dtype=torch.uint8)  # both touched: page faults are not timed
+    start = time.perf_counter()
+    target.copy_(source)
+    seconds = time.perf_counter() - start
+    del source, target
+    return seconds
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def gloo_rank(rank: int, port: int, sizes: list[int], out: str) -> None:
+    """Raw gloo broadcast of `sizes` pieces from rank 0 to rank 1 (receive buffer reused)."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buffer = torch.ones(max(sizes), dtype=torch.uint8)
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    for size in sizes:
+        torch.distributed.broadcast(buffer[:size], src=0)
+    torch.distributed.barrier()
+    if rank == 0:
+        Path(out).write_text(str(time.perf_counter() - start))
+    torch.distributed.destroy_process_group()
+
+
+def trainer_rank(rank: int, port: int, layout: TrainerLayout, config: dict, url: str, transports: list[str],
+                 syncs: int, bucket_mb: float, disk_dir: str, out: str) -> None:
+    """One of TP x PP trainer ranks: random bf16 shards of its stage, `syncs` pushes per transport."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    world = layout.tp * layout.pp
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    coords = RankCoords(rank=rank, world_size=world, tp_rank=rank % layout.tp, tp_size=layout.tp,
+                        pp_rank=rank // layout.tp, pp_size=layout.pp)
+    plan = build_plan(arch_from_hf(config), layout, dtype=torch.bfloat16, bucket_bytes=int(bucket_mb * 2**20))
+    local = {}
+    for bucket in plan.stage_buckets(coords.pp_rank):
+        for param in bucket.params:
+            # Replicated parameters must agree across TP ranks: seed them by name alone.
+            seed = zlib.crc32(f"{param.name}/{coords.tp_rank if param.split_dim is not None else 0}".encode())
+            gen = torch.Generator().manual_seed(seed)
+            local[(param.vpp_rank, param.local_name)] = (
+                torch.randn(param.shard_shape, generator=gen) * 0.02).to(torch.bfloat16)
+    groups = SyncGroups.build(coords, timeout_s=600)
+    client = RolloutClient([url], api_key=API_KEY, timeout_s=600) if coords.tp_rank == 0 else None
+    results = {}
+    for name in transports:
+        syncer = WeightSyncer(plan, make_transport(name, client, timeout_s=600, disk_dir=disk_dir), groups,
+                              client=client)
+        times = []
+        for index in range(syncs):
+            stats = syncer.push(local, weight_version=f"{name}-{index}")
+            if stats is not None:
+                times.append(stats.seconds)
+        syncer.close()
+        results[name] = times
+    if rank == 0:
+        Path(out).write_text(json.dumps({"results": results, "bytes": plan.nbytes, "buckets": len(plan.buckets)}))
+    if client is not None:
+        client.close()
+    torch.distributed.destroy_process_group()
+
+
+def run_processes(target, args_per_rank: list[tuple], timeout_s: float) -> None:
+    """Spawn, then wait by polling exit codes (torch's shm manager keeps join()'s sentinel pipe open)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args) for args in args_per_rank]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    while any(proc.exitcode is None for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.kill()
+    codes = [proc.exitcode for proc in procs]
+    if any(code != 0 for code in codes):
+        raise SystemExit(f"{target.__name__} processes exited with {codes}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--ffn", type=int, default=5632)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--bucket-mb", type=float, default=256)
+    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--transports", default="tensor,distributed,disk")
+    parser.add_argument("--workdir", default=None, help="scratch dir (default: a temp dir, removed at the end)")
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    config = hf_config(args)
+    arch = arch_from_hf(config)
+    plan = build_plan(arch, TrainerLayout(tp=TP, pp=PP), dtype=torch.bfloat16, bucket_bytes=int(args.bucket_mb * 2**20))
+    params = sum(math.prod(shape) for shape in hf_param_shapes(arch).values())
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="megarl-bench-weight-sync-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    transports = args.transports.split(",")
+    try:
+        memcpy_s = memcpy_seconds(plan.nbytes)
+        sizes = [bucket.nbytes for bucket in plan.buckets]
+        port = free_port()
+        run_processes(gloo_rank, [(rank, port, sizes, str(workdir / "gloo.txt")) for rank in range(2)], 900)
+        gloo_s = float((workdir / "gloo.txt").read_text())
+        write_checkpoint(config, workdir / "model")
+        server = start_cpu_engine(workdir / "model", api_key=API_KEY, log_path=workdir / "server.log",
+                                  startup_timeout_s=900)
+        try:
+            measured = {}
+            for layout, names in [(TrainerLayout(tp=TP, pp=PP), transports), (TrainerLayout(), ["tensor"])]:
+                port, out = free_port(), workdir / "trainer.json"
+                run_processes(trainer_rank, [(rank, port, layout, config, server.url, names, args.syncs,
+                                              args.bucket_mb, str(workdir / "disk"), str(out))
+                                             for rank in range(layout.tp * layout.pp)], 3600)
+                for name, times in json.loads(out.read_text())["results"].items():
+                    measured[f"{name}, TP{layout.tp} x PP{layout.pp}"] = (name, times)
+        finally:
+            server.stop()
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    report(args, params=params, nbytes=plan.nbytes, buckets=len(plan.buckets), memcpy_s=memcpy_s, gloo_s=gloo_s,
+           results=measured)
+
+
+def report(args, *, params: int, nbytes: int, buckets: int, memcpy_s: float, gloo_s: float, results: dict) -> None:
+    gb = nbytes / 1e9
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"# weight sync benchmark, {now}")
+    print(f"python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
+          f"{os.cpu_count()} CPUs, OMP_NUM_THREADS=1 per process")
+    print(f"model: llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, ffn {args.ffn}, "
+          f"vocab {args.vocab}: {params / 1e9:.2f}B parameters, {gb:.2f} GB in bf16")
+    print(f"trainer: TP{TP} x PP{PP} (4 processes, gloo), {buckets} buckets of <= {args.bucket_mb:g} MiB; "
+          f"1 megarl CPU engine server (float32, 1 thread); median of syncs 2..{args.syncs} per transport")
+    print()
+    print(f"| {'path':<38} | {'seconds':>7} | {'GB/s':>5} | {'vs bound':>9} | {'first sync':>10} |")
+    print(f"|{'-' * 40}|{'-' * 9}|{'-' * 7}|{'-' * 11}|{'-' * 12}|")
+    print(f"| {'memcpy (one copy, 1 thread)':<38} | {memcpy_s:7.2f} | {gb / memcpy_s:5.2f} | {'':>9} | {'':>10} |")
+    print(f"| {'raw gloo broadcast (1 -> 1)':<38} | {gloo_s:7.2f} | {gb / gloo_s:5.2f} | {'':>9} | {'':>10} |")
+    bounds = {"tensor": ("memcpy", memcpy_s, 2.0), "distributed": ("gloo", gloo_s, 3.0), "disk": ("memcpy", memcpy_s, None)}
+    verdicts = []
+    for label, (name, times) in results.items():
+        seconds = statistics.median(times[1:] or times)
+        bound_name, bound_s, target = bounds[name]
+        ratio = seconds / bound_s
+        print(f"| {name + ' transport, ' + label.split(', ')[1]:<38} | {seconds:7.2f} | {gb / seconds:5.2f} | "
+              f"{ratio:4.1f}x {bound_name[:3]:<3} | {times[0]:8.2f} s |")
+        if target is not None and label.endswith(f"TP{TP} x PP{PP}"):
+            verdicts.append(f"{name}: {ratio:.1f}x {bound_name} (target <= {target:g}x: "
+                            f"{'met' if ratio <= target else 'missed'})")
+    print()
+    print("targets: " + "; ".join(verdicts))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""End to end: `megarl train` on the PPO quickstart (GAE + critic), shortened, on the session's Ray cluster.
+
+Checks the contract of a PPO run with both KL options on (KL in the reward with the
+adaptive controller, and KL in the actor loss): every phase timer incl. `values`,
+`update_critic` and `ref`, the critic and KL metrics, the critic warm-up freezing the
+actor, the controller's coefficient update; and that PPO improves the training score.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_recipe
+from megarl.controller.run import train
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-ppo-cpu.yaml"
+
+TIMING_KEYS = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
+               "update_weights", "step"]
+METRIC_KEYS = [
+    *(f"critic/{group}/{stat}" for group in ("score", "rewards", "advantages", "returns", "values")
+      for stat in ("mean", "max", "min")),
+    "critic/vf_loss", "critic/vf_clipfrac", "critic/vf_explained_var", "critic/grad_norm", "critic/lr",
+    "actor/entropy", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff",
+    "perf/throughput", "rollout/logprob_diff",
+]
+# Logged only by steps that update the actor (not during the critic warm-up).
+ACTOR_UPDATE_KEYS = ["actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
+                     "actor/kl_loss"]
+
+
+def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+    recipe = load_recipe(QUICKSTART, [f"trainer.output_dir={tmp_path}", f"name={name}",
+                                      "trainer.logging.console=false", *overrides])
+    run_dir = train(recipe)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_ppo_with_both_kl_options_logs_the_contract(ray_session, tmp_path):
+    horizon, target, coef = 2000, 0.05, 0.01
+    records = _run(
+        tmp_path, "ppo-kl",
+        "trainer.total_steps=3", "trainer.val_every=0", "sft_warmup.steps=20", "data.train_batch_size=16",
+        "critic.warmup_steps=1", "critic.ppo_mini_batch_size=32", "actor.ppo_mini_batch_size=32",
+        "critic.ppo_micro_batch_size=16", "actor.ppo_micro_batch_size=16",
+        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", f"algorithm.kl_ctrl.kl_coef={coef}",
+        f"algorithm.kl_ctrl.target_kl={target}", f"algorithm.kl_ctrl.horizon={horizon}",
+        "actor.use_kl_loss=true",
+        # 20 warm-up steps leave the score (and so the advantages) at 0: the entropy bonus still moves the actor.
+        "actor.entropy_coeff=0.01",
+    )
+    steps = [record for record in records if "timing_s/step" in record]
+    assert [record["step"] for record in steps] == [1, 2, 3]
+    for record in steps[1:]:
+        missing = [f"timing_s/{key}" for key in TIMING_KEYS if f"timing_s/{key}" not in record]
+        missing += [key for key in METRIC_KEYS + ACTOR_UPDATE_KEYS if key not in record]
+        assert not missing, f"step {record['step']} lacks {missing}"
+    # The actor is frozen during the critic warm-up (step 1): everything but its update runs.
+    missing = [f"timing_s/{key}" for key in TIMING_KEYS if key != "update_actor" and f"timing_s/{key}" not in steps[0]]
+    assert not missing + [key for key in METRIC_KEYS if key not in steps[0]]
+    assert not {"timing_s/update_actor", *ACTOR_UPDATE_KEYS} & set(steps[0])
+    for record in steps:
+        assert record["rollout/logprob_diff"] < 1e-4
+        assert 0.0 <= record["critic/vf_clipfrac"] <= 1.0 and record["critic/vf_loss"] >= 0.0
+    # The reference holds the post-warm-up actor: before the first actor update the KL is exactly 0.
+    assert steps[0]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[1]["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[2]["actor/reward_kl_penalty"] > 0.0
+    # The adaptive controller: value *= 1 + clip(kl / target - 1, -0.2, 0.2) * samples / horizon.
+    samples = 16 * 2  # train_batch_size * rollout.n
+    expected = coef
+    for record in steps:
+        assert record["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-9)
+        error = min(max(record["actor/reward_kl_penalty"] / target - 1.0, -0.2), 0.2)
+        expected *= 1.0 + error * samples / horizon
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+@pytest.mark.slow
+def test_ppo_improves_the_training_score(ray_session, tmp_path):
+    # The recipe's own warm-up (stopped by loss) and critic warm-up, then PPO steps, without validation.
+    records = _run(tmp_path, "learn", "trainer.total_steps=14", "trainer.val_every=0")
+    scores = [record["critic/score/mean"] for record in records if "critic/score/mean" in record]
+    assert len(scores) == 14
+    first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
+    assert 0.0 < first < 0.8, f"the warm-up should leave the model imperfect, got {first:.3f}"
+    assert last - first >= 0.05, f"score went from {first:.3f} to {last:.3f}"

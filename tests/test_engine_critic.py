@@ -1,0 +1,153 @@
+"""ValueEngine (spawned gloo ranks) against an HF backbone + linear head computed in this process.
+
+One rank at TP1PP1 and two ranks at PP2 run the same job: values (padded and packed
+micro-batches) of a fixed batch, then two value updates on it (the single rank also
+saves a checkpoint and restores it into a fresh engine). The reference is the HF
+model's final hidden states times the engine's value head, read one position before
+each response token, and the clipped value loss written out by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from _engine_spawn import run_spawned
+
+pytestmark = pytest.mark.dist
+
+PROMPT, RESPONSE, ROWS = 5, 6, 6
+UPDATE = dict(ppo_epochs=1, micro_batch_size=2, shuffle=False, seed=0, cliprange_value=0.5,
+              loss_agg_mode="token-mean")
+
+
+def _hf_model():
+    config = Qwen2Config(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(5)
+    return Qwen2ForCausalLM(config)
+
+
+def _batch() -> dict:
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 200, (ROWS, PROMPT + RESPONSE), generator=gen)
+    mask = torch.ones_like(input_ids)
+    for row, (left_pad, length) in enumerate([(0, 6), (2, 1), (4, 3), (1, 6), (0, 2), (3, 5)]):
+        mask[row, :left_pad] = 0
+        mask[row, PROMPT + length :] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": mask[:, PROMPT:].float(),
+        "returns": torch.randn(ROWS, RESPONSE, generator=gen),
+    }
+
+
+def critic_job(*, rank: int, hf_config: dict, weights: dict, batch: dict, ckpt_dir: str | None = None) -> dict:
+    from megarl.engines.critic import ValueEngine
+
+    engine = ValueEngine(hf_config=hf_config, weights=weights, seed=1, head_init_std=0.1, lr=1e-3,
+                         params_dtype="float32")
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    values = engine.compute_values(**inputs, response_length=RESPONSE, micro_batch_size=4)
+    packed = engine.compute_values(**inputs, response_length=RESPONSE, micro_batch_size=4,
+                                   max_tokens_per_microbatch=20)
+    head = engine.value_head
+    head = None if head is None else (head.weight.detach().clone(), head.bias.detach().clone())
+    update = dict(**inputs, response_mask=batch["response_mask"], values=values, returns=batch["returns"], **UPDATE)
+    first = engine.update_critic(**update)
+    second = engine.update_critic(**update)
+    restored = None
+    if ckpt_dir is not None:  # a fresh engine (other seed) loads the trained critic from a checkpoint
+        engine.save_checkpoint(ckpt_dir)
+        fresh = ValueEngine(hf_config=hf_config, weights=None, seed=9, params_dtype="float32")
+        fresh.load_checkpoint(ckpt_dir)
+        restored = (engine.compute_values(**inputs, response_length=RESPONSE, micro_batch_size=4),
+                    fresh.compute_values(**inputs, response_length=RESPONSE, micro_batch_size=4))
+    return {
+        "restored": restored,
+        "values": values,
+        "packed": packed,
+        "head": head,
+        "first": first,
+        "second": second,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    model = _hf_model()
+    hf_config = model.config.to_dict()
+    weights = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    batch = _batch()
+    ckpt_dir = str(tmp_path_factory.mktemp("critic") / "ckpt")
+    (single,) = run_spawned(critic_job, hf_config=hf_config, weights=weights, batch=batch, ckpt_dir=ckpt_dir)
+    pp2 = run_spawned(critic_job, world_size=2, layout={"tp": 1, "pp": 2}, hf_config=hf_config, weights=weights,
+                      batch=batch)
+    return model, batch, single, pp2
+
+
+def _reference_values(model, batch, head) -> torch.Tensor:
+    weight, bias = head
+    with torch.no_grad():
+        hidden = model.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).last_hidden_state
+        values = (hidden @ weight.t() + bias).squeeze(-1)
+    # V_t of response token t is read one position earlier: positions P-1 .. P+R-2.
+    return values[:, PROMPT - 1 : PROMPT + RESPONSE - 1]
+
+
+def test_values_match_hf_backbone_plus_head_at_the_state_before_each_token(runs):
+    model, batch, single, _ = runs
+    weight, _ = single["head"]
+    assert weight.shape == (1, 64) and weight.abs().sum() > 0
+    expected = _reference_values(model, batch, single["head"])
+    mask = batch["response_mask"].bool()
+    assert single["values"].shape == (ROWS, RESPONSE)
+    assert torch.allclose(single["values"][mask], expected[mask], atol=1e-5)
+    # Packing several sequences into one row reads the same values.
+    assert torch.allclose(single["packed"][mask], expected[mask], atol=1e-5)
+
+
+def test_update_reports_the_hand_computed_loss_and_reduces_it(runs):
+    _, batch, single, _ = runs
+    assert set(single["first"]) == {"critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/lr"}
+    mask = batch["response_mask"]
+    # Before the first step the predictions equal the anchor values: no clipping, plain MSE / 2.
+    error = (single["values"] - batch["returns"]).square()
+    expected = 0.5 * (error * mask).sum() / mask.sum()
+    assert single["first"]["critic/vf_loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert single["first"]["critic/vf_clipfrac"] == 0.0
+    assert single["first"]["critic/lr"] == pytest.approx(1e-3)
+    assert single["first"]["critic/grad_norm"] > 0
+    assert single["second"]["critic/vf_loss"] < 0.9 * single["first"]["critic/vf_loss"]
+
+
+def test_pp2_matches_a_single_rank(runs):
+    _, batch, single, pp2 = runs
+    mask = batch["response_mask"].bool()
+    assert pp2[0]["head"] is None and pp2[1]["head"] is not None  # the head lives on the last stage
+    for rank_out in pp2:  # every stage gets the values and metrics
+        assert torch.allclose(rank_out["values"][mask], single["values"][mask], atol=1e-5)
+        for name in ("first", "second"):
+            for key, value in single[name].items():
+                assert rank_out[name][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, key)
+
+
+def test_a_checkpoint_restores_the_trained_critic(runs):
+    _, _, single, _ = runs
+    trained, restored = single["restored"]
+    assert not torch.allclose(trained, single["values"])  # the updates moved the values
+    assert torch.equal(restored, trained)
