@@ -79,10 +79,13 @@ def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_grpo_improves_the_training_score(ray_session, tmp_path):
-    # The recipe's own warm-up (stopped by loss) then 12 GRPO steps, without validation.
-    records = _run(tmp_path, "learn", "trainer.total_steps=12", "trainer.val_every=0")
+    # The recipe's own warm-up (stopped by loss) then 12 GRPO steps, without validation,
+    # with dynamic micro-batches (packed sequences) in the warm-up, log-probs and updates.
+    records = _run(tmp_path, "learn", "trainer.total_steps=12", "trainer.val_every=0",
+                   "actor.max_tokens_per_microbatch=1024")
     scores = [record["critic/score/mean"] for record in records if "critic/score/mean" in record]
     assert len(scores) == 12
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
     assert 0.0 < first < 0.8, f"the warm-up should leave the model imperfect, got {first:.3f}"
     assert last - first >= 0.05, f"score went from {first:.3f} to {last:.3f}"
+    assert max(record["rollout/logprob_diff"] for record in records if "timing_s/step" in record) < 1e-4

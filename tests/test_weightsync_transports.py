@@ -30,13 +30,15 @@ from _weightsync_ranks import (
     tp2_pp2_rank,
     trainer_weights,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from megarl.models import arch_from_hf, hf_to_megatron, random_hf_state_dict, shard_for_rank
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.cpu_engine.checksum import tensor_digest
+from megarl.rollout.cpu_engine.weights import apply_named_tensors, weight_checksums
 from megarl.rollout.server import free_port, start_cpu_engine
-from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncError, WeightSyncer, build_plan
-from megarl.weightsync import make_transport
+from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncError, WeightSyncer, assemble_bucket
+from megarl.weightsync import build_plan, make_transport
 from megarl.weightsync.distributed_transport import DistributedTransport
 from megarl.weightsync.engine_sync import EngineWeightSync
 from megarl.weightsync.tensor_transport import TensorTransport
@@ -227,3 +229,25 @@ def test_distributed_groups_are_rebuilt_after_a_server_restarts_at_the_same_url(
         finally:
             handle.stop()
     sync.close()
+
+
+def test_moe_ep2_buckets_load_into_the_cpu_engine_model():
+    """Experts leave the trainer with checkpoint names; the CPU engine's transformers model fuses them."""
+    config = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                  norm_topk_prob=True, tie_word_embeddings=False)
+    arch = arch_from_hf({"model_type": "qwen3_moe", **config})
+    gen = torch.Generator().manual_seed(7)
+    hf = {name: torch.randn(t.shape, generator=gen) for name, t in random_hf_state_dict(arch, seed=0).items()}
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in hf
+    layout = TrainerLayout(dp=2, ep=2)
+    plan = build_plan(arch, layout, dtype=torch.float32, bucket_bytes=20_000)
+    full = hf_to_megatron(hf, arch, padded_vocab=plan.padded_vocab)
+    shards = {ep: shard_for_rank(full, num_layers=2, tie_word_embeddings=False, tp_rank=0, tp_size=1, pp_rank=0,
+                                 pp_size=1, ep_rank=ep, ep_size=2)[0] for ep in range(2)}
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).eval()
+    for bucket in plan.buckets:  # what EP rank 0 and EP rank 1 send, bucket by bucket
+        named = assemble_bucket(bucket, lambda param, tp_rank: shards[param.ep_rank][param.local_name])
+        apply_named_tensors(model, named)
+    held = weight_checksums(model)
+    assert {name: held[name] for name in hf} == reference_digests(hf)

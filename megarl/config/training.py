@@ -103,6 +103,11 @@ class CriticConfig(Section):
     )
     ppo_mini_batch_size: PositiveInt = Field(description="samples per optimizer step, global across DP ranks")
     ppo_micro_batch_size: PositiveInt = Field(description="samples per forward/backward pass on one DP rank")
+    max_tokens_per_microbatch: PositiveInt | None = Field(
+        None,
+        description="dynamic micro-batching: pack sequences into micro-batches of at most this many tokens "
+        "(ppo_micro_batch_size is then ignored); null = fixed micro-batches",
+    )
     ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
     cliprange_value: PositiveFloat = Field(0.5, description="value clipping range around the old values")
     loss_agg_mode: LossAggMode = Field("token-mean", description="how token value losses are averaged")

@@ -60,7 +60,7 @@ class MegatronWorker:
         return self.parallel_layout()["is_output"]
 
     def compute_log_prob(self, shard: Batch, *, temperature: float, micro_batch_size: int, with_entropy: bool,
-                         key: str) -> Batch | None:
+                         key: str, max_tokens_per_microbatch: int | None = None) -> Batch | None:
         log_probs, entropy = self.engine.compute_log_prob(
             input_ids=shard["input_ids"],
             attention_mask=shard["attention_mask"],
@@ -68,6 +68,7 @@ class MegatronWorker:
             response_length=shard["responses"].shape[1],
             temperature=temperature,
             micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
             with_entropy=with_entropy,
         )
         if not self._is_output():
@@ -90,13 +91,15 @@ class MegatronWorker:
         )
         return metrics if self._is_output() else None
 
-    def sft_step(self, shard: Batch, *, micro_batch_size: int, lr: float) -> dict[str, float] | None:
+    def sft_step(self, shard: Batch, *, micro_batch_size: int, lr: float,
+                 max_tokens_per_microbatch: int | None = None) -> dict[str, float] | None:
         metrics = self.engine.sft_step(
             input_ids=shard["input_ids"],
             attention_mask=shard["attention_mask"],
             position_ids=shard["position_ids"],
             loss_mask=shard["loss_mask"],
             micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
             lr=lr,
         )
         return metrics if self._is_output() else None
@@ -133,13 +136,15 @@ class MegatronWorker:
 
         self.engine = ValueEngine(**engine_kwargs)
 
-    def compute_values(self, shard: Batch, *, micro_batch_size: int) -> Batch | None:
+    def compute_values(self, shard: Batch, *, micro_batch_size: int,
+                       max_tokens_per_microbatch: int | None = None) -> Batch | None:
         values = self.engine.compute_values(
             input_ids=shard["input_ids"],
             attention_mask=shard["attention_mask"],
             position_ids=shard["position_ids"],
             response_length=shard["responses"].shape[1],
             micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
         )
         return Batch.from_dict({"values": values}) if self._is_output() else None
 

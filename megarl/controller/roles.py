@@ -22,9 +22,11 @@ CRITIC_UPDATE_KEYS = INPUT_KEYS + ("response_mask", "values", "returns")
 class PolicyRole:
     """A Megatron policy (trainable actor, or frozen reference) behind its worker group."""
 
-    def __init__(self, group: WorkerGroup, *, logprob_micro_batch_size: int, ppo: dict[str, Any] | None = None):
+    def __init__(self, group: WorkerGroup, *, logprob_micro_batch_size: int,
+                 max_tokens_per_microbatch: int | None = None, ppo: dict[str, Any] | None = None):
         self.group = group
         self.logprob_micro_batch_size = logprob_micro_batch_size
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.ppo = ppo or {}
 
     @property
@@ -37,6 +39,7 @@ class PolicyRole:
             batch.select(list(INPUT_KEYS)),
             temperature=temperature,
             micro_batch_size=self.logprob_micro_batch_size,
+            max_tokens_per_microbatch=self.max_tokens_per_microbatch,
             with_entropy=with_entropy,
             key=key,
         )
@@ -63,7 +66,8 @@ class PolicyRole:
         return mean_metrics(per_rank)
 
     def sft(self, batch: Batch, *, micro_batch_size: int, lr: float) -> dict[str, float]:
-        return mean_metrics(self.group.dispatch_dp("sft_step", batch, micro_batch_size=micro_batch_size, lr=lr))
+        return mean_metrics(self.group.dispatch_dp("sft_step", batch, micro_batch_size=micro_batch_size, lr=lr,
+                                                   max_tokens_per_microbatch=self.max_tokens_per_microbatch))
 
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int) -> dict[str, float]:
         results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version)
@@ -76,12 +80,15 @@ class CriticRole:
     def __init__(self, group: WorkerGroup, *, values_micro_batch_size: int, update: dict[str, Any]):
         self.group = group
         self.values_micro_batch_size = values_micro_batch_size
-        self.update_kwargs = update
+        self.update_kwargs = update  # includes max_tokens_per_microbatch, also used for values
 
     def compute_values(self, batch: Batch) -> Batch:
         """Adds `values` [B, R]: V of the state before each response token."""
         shards = self.group.dispatch_dp(
-            "compute_values", batch.select(list(INPUT_KEYS)), micro_batch_size=self.values_micro_batch_size
+            "compute_values",
+            batch.select(list(INPUT_KEYS)),
+            micro_batch_size=self.values_micro_batch_size,
+            max_tokens_per_microbatch=self.update_kwargs["max_tokens_per_microbatch"],
         )
         batch["values"] = Batch.concat(shards)["values"]
         return batch

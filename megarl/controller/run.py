@@ -100,6 +100,7 @@ def _critic_kwargs(recipe: Recipe, dp_size: int) -> dict:
         seed=recipe.seed,
         cliprange_value=critic.cliprange_value,
         loss_agg_mode=critic.loss_agg_mode,
+        max_tokens_per_microbatch=critic.max_tokens_per_microbatch,
     )
 
 
@@ -119,6 +120,7 @@ def _ppo_kwargs(recipe: Recipe, dp_size: int) -> dict:
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
+        max_tokens_per_microbatch=actor.max_tokens_per_microbatch,
     )
 
 
@@ -131,13 +133,15 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                                 weights=weights, trainable=True)
     cleanup.callback(actor_group.kill)
     logprob_mbs = recipe.actor.logprob_micro_batch_size or recipe.actor.ppo_micro_batch_size
-    actor = PolicyRole(actor_group, logprob_micro_batch_size=logprob_mbs, ppo=_ppo_kwargs(recipe, actor_group.dp_size))
+    max_tokens = recipe.actor.max_tokens_per_microbatch
+    actor = PolicyRole(actor_group, logprob_micro_batch_size=logprob_mbs, max_tokens_per_microbatch=max_tokens,
+                       ppo=_ppo_kwargs(recipe, actor_group.dp_size))
     reference = None
     if "reference" in pools:
         ref_group = _policy_group(recipe, pools["reference"], name="reference", parallel=recipe.reference.parallel,
                                   weights=weights, trainable=False)
         cleanup.callback(ref_group.kill)
-        reference = PolicyRole(ref_group, logprob_micro_batch_size=logprob_mbs)
+        reference = PolicyRole(ref_group, logprob_micro_batch_size=logprob_mbs, max_tokens_per_microbatch=max_tokens)
     critic = None
     if recipe.critic is not None:
         critic_group = _critic_group(recipe, pools["critic"], weights=weights)

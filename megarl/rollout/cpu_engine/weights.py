@@ -6,12 +6,15 @@ tensor of the model's state dict, with the same shape and a dtype that converts
 exactly into the model's (bf16 into float32 is fine, float64 into float32 is not). A bad update
 is refused as a whole, naming every offending tensor, so the model never runs
 on a half-loaded set of weights. With tied embeddings `lm_head.weight` and
-`model.embed_tokens.weight` are one tensor; either name updates both.
+`model.embed_tokens.weight` are one tensor; either name updates both. MoE experts
+may be named as in checkpoints (`experts.{e}.gate_proj.weight`, ...) or as
+transformers 5 fuses them in memory (`experts.gate_up_proj`); see `weight_views`.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -64,9 +67,36 @@ def eos_token_ids(model: PreTrainedModel) -> frozenset[int]:
     return frozenset(ids)
 
 
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+
+
+def weight_views(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Every tensor an update may name: the state dict, plus the per-expert tensors of HF checkpoints.
+
+    transformers 5 keeps a MoE layer's experts fused in memory (`experts.gate_up_proj`
+    [E, 2I, H] = [gate; up] per expert, `experts.down_proj` [E, H, I]) while checkpoints,
+    SGLang and trainers name them `experts.{e}.{gate,up,down}_proj.weight`: those names
+    map to views into the fused tensors, so either form updates the same memory.
+    """
+    views: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        views[name] = tensor
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            continue
+        prefix, half = match.group(1), tensor.shape[1] // 2
+        for expert in range(tensor.shape[0]):
+            if match.group(2) == "gate_up_proj":
+                views[f"{prefix}{expert}.gate_proj.weight"] = tensor[expert, :half]
+                views[f"{prefix}{expert}.up_proj.weight"] = tensor[expert, half:]
+            else:
+                views[f"{prefix}{expert}.down_proj.weight"] = tensor[expert]
+    return views
+
+
 def check_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> list[str]:
     """One problem line per tensor whose name, shape or dtype does not fit the model."""
-    targets = model.state_dict(keep_vars=True)
+    targets = weight_views(model)
     problems = []
     for name, tensor in named_tensors:
         if not isinstance(tensor, torch.Tensor):
@@ -93,8 +123,9 @@ def widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:
 
 
 def weight_checksums(model: PreTrainedModel) -> dict[str, str]:
-    """`tensor_digest` of every tensor of the model's state dict (tied tensors under each name)."""
-    return {name: tensor_digest(tensor) for name, tensor in model.state_dict().items()}
+    """`tensor_digest` of every tensor `weight_views` names (tied tensors under each name)."""
+    with torch.no_grad():
+        return {name: tensor_digest(tensor) for name, tensor in weight_views(model).items()}
 
 
 def apply_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> int:
@@ -102,7 +133,7 @@ def apply_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> 
     problems = check_named_tensors(model, named_tensors)
     if problems:
         raise WeightUpdateError(problems)
-    targets = model.state_dict(keep_vars=True)
+    targets = weight_views(model)
     with torch.no_grad():
         for name, tensor in named_tensors:
             targets[name].copy_(tensor)
@@ -118,7 +149,7 @@ def read_checkpoint(model: PreTrainedModel, model_path: str | Path) -> NamedTens
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise WeightUpdateError([f"{model_path}: no *.safetensors files"])
-    targets = model.state_dict(keep_vars=True)
+    targets = weight_views(model)
     named: NamedTensors = []
     for file in files:
         for name, tensor in load_file(str(file)).items():
@@ -127,16 +158,36 @@ def read_checkpoint(model: PreTrainedModel, model_path: str | Path) -> NamedTens
                 tensor = tensor.to(target.dtype)
             named.append((name, tensor))
     present = {name for name, _ in named}
-    required = _required_names(model)
-    missing = sorted(required - present)
+    missing = sorted(name for name in _required_names(model) if not _covered(name, present))
     if missing:
         raise WeightUpdateError([f"{name}: missing from {model_path}" for name in missing])
     return named
 
 
 def _required_names(model: PreTrainedModel) -> set[str]:
-    """State-dict names a full checkpoint must contain: one name per distinct tensor."""
+    """Names a full checkpoint must contain: one per distinct tensor, fused experts per expert."""
     seen: dict[int, str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         seen.setdefault(id(tensor), name)
-    return set(seen.values())
+    required = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if seen[id(tensor)] != name:
+            continue
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            required.add(name)
+            continue
+        projections = ("gate_proj", "up_proj") if match.group(2) == "gate_up_proj" else ("down_proj",)
+        required |= {f"{match.group(1)}{e}.{p}.weight" for e in range(tensor.shape[0]) for p in projections}
+    return required
+
+
+def _covered(name: str, present: set[str]) -> bool:
+    """A per-expert name is also covered by its fused tensor (a checkpoint in transformers' memory layout)."""
+    if name in present:
+        return True
+    expert = re.match(r"^(.*\.mlp\.experts\.)\d+\.(gate|up|down)_proj\.weight$", name)
+    if expert is None:
+        return False
+    fused = "down_proj" if expert.group(2) == "down" else "gate_up_proj"
+    return f"{expert.group(1)}{fused}" in present
