@@ -2,9 +2,12 @@
 
 The trainer side is plain processes holding Megatron shards of an HF state dict
 (`shard_for_rank`): one in-process rank for TP1/PP1, and four spawned gloo ranks
-for TP2 x PP2 (bf16, two stages sending at once). "Bit-identical" is checked
+for TP2 x PP2 (bf16, two stages sending at once); one slow test drives
+`MegatronWorker.push_weights` on real Megatron ranks. "Bit-identical" is checked
 independently of the transport's own checksum mode: the server's
-`/weights_checksum` digests against digests of the trainer's HF tensors.
+`/weights_checksum` digests against digests of the trainer's HF tensors. Also:
+a corrupted tensor, a peer that never joins, a server restarted behind the same
+URL, and MoE experts (EP2) loading into the engine's fused expert tensors.
 """
 
 from __future__ import annotations

@@ -69,8 +69,9 @@ class PolicyRole:
         return mean_metrics(self.group.dispatch_dp("sft_step", batch, micro_batch_size=micro_batch_size, lr=lr,
                                                    max_tokens_per_microbatch=self.max_tokens_per_microbatch))
 
-    def push_weights(self, *, urls: list[str], api_key: str | None, version: int) -> dict[str, float]:
-        results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version)
+    def push_weights(self, *, urls: list[str], api_key: str | None, version: int, **sync_options) -> dict[str, float]:
+        """Weight sync to `urls`; `sync_options` pick the transport (see MegatronWorker.push_weights)."""
+        results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version, **sync_options)
         return next(result for result in results if result is not None)
 
 

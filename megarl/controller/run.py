@@ -164,7 +164,12 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                                 api_key=api_key, log_dir=run_dir / "logs")
     cleanup.callback(fleet.shutdown)
     # The fleet re-pushes the actor's current weights to a server it had to restart.
-    fleet.set_weight_source(partial(actor.push_weights, api_key=api_key))
+    sync = recipe.weight_sync
+    fleet.set_weight_source(partial(actor.push_weights, api_key=api_key, transport=sync.transport,
+                                    bucket_mb=sync.bucket_mb, verify=sync.verify, timeout_s=sync.timeout_s,
+                                    disk_dir=str(run_dir / "weight_sync")))
+    # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
+    cleanup.callback(actor_group.run, "close_weight_sync")
     roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference, critic=critic,
                   kl_ctrl=data.kl_ctrl, api_key=api_key)
     roles.sync_weights(version=0)

@@ -25,7 +25,7 @@ from megarl.rollout.client import RolloutClient
 from megarl.weightsync import make_transport
 from megarl.weightsync.gather import local_shards
 from megarl.weightsync.groups import RankCoords, SyncGroups
-from megarl.weightsync.plan import TrainerLayout, build_plan
+from megarl.weightsync.plan import ReshardPlan, TrainerLayout, build_plan
 from megarl.weightsync.session import WeightSyncError
 from megarl.weightsync.syncer import WeightSyncer
 
@@ -33,9 +33,11 @@ VERIFY_MODES = ("none", "checksum")
 
 
 class EngineWeightSync:
+    """One per trainer rank (held by its `MegatronWorker`); see the module docstring."""
+
     def __init__(self) -> None:
         self._groups: SyncGroups | None = None
-        self._plans: dict[tuple, object] = {}
+        self._plans: dict[tuple, ReshardPlan] = {}
         self._syncers: dict[tuple, tuple[WeightSyncer, RolloutClient | None]] = {}
 
     def push(
