@@ -15,6 +15,7 @@ import pytest
 
 from megarl.config import load_recipe
 from megarl.controller.run import train
+from megarl.errors import InputError
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 
@@ -46,7 +47,7 @@ def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path):
     # KL in the loss switches the reference role (and `timing_s/ref`) on.
     overrides = ["trainer.total_steps=2", "trainer.val_every=2", "sft_warmup.steps=20",
                  "data.synthetic.num_val=64",
-                 "actor.use_kl_loss=true"]
+                 "actor.use_kl_loss=true", "trainer.checkpoint.save_every=1", "trainer.checkpoint.keep_last=1"]
     first = _run(tmp_path, "a", *overrides)
     steps = [record for record in first if "timing_s/step" in record]
     assert [record["step"] for record in steps] == [1, 2]
@@ -60,6 +61,11 @@ def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path):
     run_dir = tmp_path / "a"
     assert "name: a\n" in (run_dir / "recipe.yaml").read_text()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # Saved every step, only the newest kept; a second run over it refuses to pretend it resumed.
+    assert [path.name for path in (run_dir / "checkpoints").iterdir()] == ["step_2"]
+    assert (run_dir / "checkpoints" / "step_2" / "actor" / "megarl_checkpoint.json").exists()
+    with pytest.raises(InputError, match="trainer.checkpoint.resume: .* already holds step_2"):
+        _run(tmp_path, "a", *overrides)
 
     second = _run(tmp_path, "b", *overrides)
     # Same seed, same run: every sampled token, score and update is identical. Only

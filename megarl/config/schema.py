@@ -108,7 +108,11 @@ class RolloutConfig(Section):
     tp: PositiveInt = Field(1, description="tensor-parallel size of one server")
     max_concurrency: PositiveInt = Field(256, description="in-flight requests per server")
     host: str = Field("127.0.0.1", description="address servers bind to")
-    port: int = Field(30000, ge=1, le=65535, description="port of the first server; the others count up from it")
+    port: int | None = Field(
+        None, ge=1, le=65535,
+        description="port of the first server, the others count up from it; null = free ports picked by the OS "
+        "(safe when several runs share a machine)",
+    )
     mem_fraction: float = Field(0.8, gt=0.0, le=1.0, description="share of accelerator memory a server may take")
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang server arguments, passed through")
     engine_threads: PositiveInt = Field(1, description="torch threads of one CPU engine")

@@ -112,6 +112,10 @@ class MegatronWorker:
     def load_hf_state_dict(self, named: dict[str, torch.Tensor]) -> None:
         self.engine.load_hf_state_dict(named)
 
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Distributed checkpoint of this role (collective over its ranks)."""
+        self.engine.save_checkpoint(ckpt_dir)
+
     def reset_optimizer_state(self) -> None:
         """Forget Adam moments (e.g. after the SFT warm-up) so they do not leak into RL updates."""
         optimizer = self.engine.train.optimizer

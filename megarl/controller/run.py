@@ -17,6 +17,7 @@ from pathlib import Path
 from megarl.config import Recipe, dump_recipe
 from megarl.config.schema import read_hf_config
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
+from megarl.controller.checkpointing import refuse_silent_restart, save_step
 from megarl.controller.engine_worker import MegatronWorker
 from megarl.controller.fleet import start_rollout_fleet
 from megarl.controller.placement import plan_pools
@@ -187,6 +188,8 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
     run_dir = Path(recipe.trainer.output_dir) / recipe.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    checkpoint = recipe.trainer.checkpoint
+    refuse_silent_restart(run_dir, resume=checkpoint.resume)
     data = prepare_data(recipe, run_dir)
     weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
 
@@ -218,6 +221,8 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
                 metrics.update(run_validation())
             metrics["train/epoch"] = data.train_batches.epoch
             tracker.log(step + 1, metrics)
+            if checkpoint.save_every and (step + 1) % checkpoint.save_every == 0:
+                save_step(roles, run_dir, step=step + 1, keep_last=checkpoint.keep_last)
     return run_dir
 
 

@@ -249,7 +249,7 @@ class RolloutFleet:
                                  f"runs on another node; use 'node' so the controller can reach it")
         # All processes boot together; then wait for each in turn.
         for server in self._servers:
-            server.wait_ready(timeout_s=self.startup_timeout_s, what=self._what(server))
+            server.wait_ready(timeout_s=self.startup_timeout_s, what=self._what(server), api_key=self.spec.api_key)
             server.state = UP
 
     def _what(self, server: FleetMember) -> str:
@@ -287,7 +287,8 @@ class RolloutFleet:
                 with contextlib.suppress(RouterError):
                     await asyncio.to_thread(self._router.remove_worker, server.url)
             await asyncio.to_thread(server.start, restart=True)
-            await asyncio.to_thread(server.wait_ready, timeout_s=self.startup_timeout_s, what=self._what(server))
+            await asyncio.to_thread(server.wait_ready, timeout_s=self.startup_timeout_s, what=self._what(server),
+                                    api_key=self.spec.api_key)
             await asyncio.to_thread(self._resync_and_serve, server)
         except Exception as error:  # noqa: BLE001 - a failed restart retires the server, the others go on
             server.state = DEAD

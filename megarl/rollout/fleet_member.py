@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -43,16 +44,16 @@ class FleetMember:
         self.url, self.pid = info["url"], info["pid"]
         return info
 
-    def wait_ready(self, *, timeout_s: float, what: str) -> None:
+    def wait_ready(self, *, timeout_s: float, what: str, api_key: str | None = None) -> None:
         """Wait for `/health`; ServerStartError with the log tail if the process exits or time runs out."""
         try:
-            self._wait(timeout_s, what)
+            self._wait(timeout_s, what, api_key)
         except ServerStartError as error:
             if not PORT_TAKEN.search(str(error)):
                 raise
             # Another process bound the port between our check and the server's bind.
-            self.start(any_port=True)
-            self._wait(timeout_s, what)
+            self.start(restart=True, any_port=True)
+            self._wait(timeout_s, what, api_key)
 
     def alive(self) -> bool:
         """The process runs and `/health` answers 200."""
@@ -76,6 +77,18 @@ class FleetMember:
         with urllib.request.urlopen(request, timeout=30) as reply:
             return json.loads(reply.read())
 
-    def _wait(self, timeout_s: float, what: str) -> None:
+    def _wait(self, timeout_s: float, what: str, api_key: str | None) -> None:
         wait_healthy(self.url, exit_code=lambda: self.host.call("exit_code"), log_tail=self.log_tail,
                      timeout_s=timeout_s, what=what, interval_s=0.25)
+        # `/health` may be answered by another run's server that holds the port while ours is
+        # still loading (it binds only after that): a server that refuses our key is not ours.
+        if api_key is not None and not self._accepts(api_key):
+            port = self.url.rsplit(":", 1)[-1]
+            raise ServerStartError(f"{what} at {self.url}: port {port} is in use by a server that refuses this run's key")
+
+    def _accepts(self, api_key: str) -> bool:
+        try:
+            self.model_info(api_key)
+        except urllib.error.HTTPError as error:
+            return error.code != 401
+        return True
