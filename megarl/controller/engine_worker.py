@@ -34,7 +34,7 @@ class MegatronWorker:
         host = "127.0.0.1" if self.world_size == 1 or not torch.cuda.is_available() else socket.gethostbyname(socket.gethostname())
         return host, _free_port()
 
-    def init_engine(self, *, master_addr: str, master_port: int, parallel: dict, engine_kwargs: dict) -> None:
+    def _init_distributed(self, *, master_addr: str, master_port: int, parallel: dict) -> None:
         from megarl.engines.distributed import init_distributed
 
         init_distributed(
@@ -47,6 +47,10 @@ class MegatronWorker:
             vpp=parallel.get("vpp"),
             ep=parallel.get("ep", 1),
         )
+
+    def init_engine(self, *, master_addr: str, master_port: int, parallel: dict, engine_kwargs: dict) -> None:
+        """This rank hosts a `PolicyEngine` (actor or frozen reference)."""
+        self._init_distributed(master_addr=master_addr, master_port=master_port, parallel=parallel)
         from megarl.engines.actor import PolicyEngine
 
         self.engine = PolicyEngine(**engine_kwargs)
@@ -124,18 +128,7 @@ class MegatronWorker:
 
     def init_critic(self, *, master_addr: str, master_port: int, parallel: dict, engine_kwargs: dict) -> None:
         """Like `init_engine`, but this rank hosts a `ValueEngine` (the GAE critic)."""
-        from megarl.engines.distributed import init_distributed
-
-        init_distributed(
-            rank=self.rank,
-            world_size=self.world_size,
-            master_addr=master_addr,
-            master_port=master_port,
-            tp=parallel["tp"],
-            pp=parallel["pp"],
-            vpp=parallel.get("vpp"),
-            ep=parallel.get("ep", 1),
-        )
+        self._init_distributed(master_addr=master_addr, master_port=master_port, parallel=parallel)
         from megarl.engines.critic import ValueEngine
 
         self.engine = ValueEngine(**engine_kwargs)
