@@ -2,15 +2,21 @@
 
 A Llama-shaped model (default: hidden 2048, 16 layers, 16 heads, ffn 5632,
 vocab 32000: 0.95B parameters, 1.9 GB in bf16) lives as random bf16 shards in
-four trainer processes (TP2 x PP2, gloo); one megarl CPU engine server (float32)
-receives it. Each transport syncs `--syncs` times; the table reports the median
+four trainer processes (TP2 x PP2, gloo); one megarl CPU engine server receives
+it in the checkpoint's dtype (`--dtype auto`: bf16, as SGLang serves a bf16
+checkpoint). Each transport syncs `--syncs` times; the table reports the median
 of the syncs after the first (the first also pays one-time set-up: broadcast
 groups, shared memory, page faults), as seconds from opening the update session
-on the server to closing it. Next to
-them, measured in the same run on the same bytes: one memcpy (single thread, as
-every rank runs with OMP_NUM_THREADS=1) and a raw gloo broadcast between two
+on the server to closing it. Next to them, measured in the same run on the same
+bytes: one memcpy (single thread, as every rank runs with OMP_NUM_THREADS=1), two
+such copies at once in two processes, and a raw gloo broadcast between two
 processes in the same bucket-sized pieces. Targets: tensor within 2x of memcpy,
 distributed within 3x of the raw broadcast.
+
+The tensor transport copies every byte twice (the trainer ranks assemble each
+bucket in shared memory, the server copies it into its weights), overlapped
+bucket by bucket; "two copies at once" is what that costs with perfect overlap
+on this machine's memory bus, the least the transport can take here.
 
     python benchmarks/weight_sync.py                                  # ~0.95B, ~12 GB peak
     python benchmarks/weight_sync.py --hidden 1024 --layers 12 --ffn 2816   # ~0.2B
@@ -74,15 +80,40 @@ def write_checkpoint(config: dict, path: Path) -> None:
             handle.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
 
 
-def memcpy_seconds(nbytes: int) -> float:
+def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
+    """Median seconds of one single-threaded copy of `nbytes` (both buffers touched first: no page faults)."""
     torch.set_num_threads(1)
     source = torch.ones(nbytes, dtype=torch.uint8)
-    target = torch.zeros(nbytes, dtype=torch.uint8)  # both touched: page faults are not timed
-    start = time.perf_counter()
-    target.copy_(source)
-    seconds = time.perf_counter() - start
+    target = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
     del source, target
-    return seconds
+    return statistics.median(times)
+
+
+def concurrent_copy_rank(rank: int, nbytes: int, barrier, out: str) -> None:
+    """One of two processes copying `nbytes` at the same moment (the median of 5 rounds)."""
+    torch.set_num_threads(1)
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(5):
+        barrier.wait()
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    Path(f"{out}.{rank}").write_text(str(statistics.median(times)))
+
+
+def two_copies_seconds(nbytes: int, workdir: Path) -> float:
+    """Two processes each copying the same bytes at once: the least a sync that copies them twice
+    (trainer into the bucket, server into its weights), perfectly overlapped, can take here."""
+    barrier = torch.multiprocessing.get_context("spawn").Barrier(2)
+    run_processes(concurrent_copy_rank, [(rank, nbytes, barrier, str(workdir / "copy")) for rank in range(2)], 600)
+    return max(float((workdir / f"copy.{rank}").read_text()) for rank in range(2))
 
 
 def free_port() -> int:
@@ -169,7 +200,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=5632)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--bucket-mb", type=float, default=256)
-    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--syncs", type=int, default=5)
     parser.add_argument("--transports", default="tensor,distributed,disk")
     parser.add_argument("--workdir", default=None, help="scratch dir (default: a temp dir, removed at the end)")
     args = parser.parse_args()
@@ -183,13 +214,14 @@ def main() -> None:
     transports = args.transports.split(",")
     try:
         memcpy_s = memcpy_seconds(plan.nbytes)
+        two_copies_s = two_copies_seconds(plan.nbytes, workdir)
         sizes = [bucket.nbytes for bucket in plan.buckets]
         port = free_port()
         run_processes(gloo_rank, [(rank, port, sizes, str(workdir / "gloo.txt")) for rank in range(2)], 900)
         gloo_s = float((workdir / "gloo.txt").read_text())
         write_checkpoint(config, workdir / "model")
         server = start_cpu_engine(workdir / "model", api_key=API_KEY, log_path=workdir / "server.log",
-                                  startup_timeout_s=900)
+                                  startup_timeout_s=900, dtype="auto")
         try:
             measured = {}
             for layout, names in [(TrainerLayout(tp=TP, pp=PP), transports), (TrainerLayout(), ["tensor"])]:
@@ -204,11 +236,12 @@ def main() -> None:
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    report(args, params=params, nbytes=plan.nbytes, buckets=len(plan.buckets), memcpy_s=memcpy_s, gloo_s=gloo_s,
-           results=measured)
+    report(args, params=params, nbytes=plan.nbytes, buckets=len(plan.buckets), memcpy_s=memcpy_s,
+           two_copies_s=two_copies_s, gloo_s=gloo_s, results=measured)
 
 
-def report(args, *, params: int, nbytes: int, buckets: int, memcpy_s: float, gloo_s: float, results: dict) -> None:
+def report(args, *, params: int, nbytes: int, buckets: int, memcpy_s: float, two_copies_s: float, gloo_s: float,
+           results: dict) -> None:
     gb = nbytes / 1e9
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# weight sync benchmark, {now}")
@@ -217,11 +250,13 @@ def report(args, *, params: int, nbytes: int, buckets: int, memcpy_s: float, glo
     print(f"model: llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, ffn {args.ffn}, "
           f"vocab {args.vocab}: {params / 1e9:.2f}B parameters, {gb:.2f} GB in bf16")
     print(f"trainer: TP{TP} x PP{PP} (4 processes, gloo), {buckets} buckets of <= {args.bucket_mb:g} MiB; "
-          f"1 megarl CPU engine server (float32, 1 thread); median of syncs 2..{args.syncs} per transport")
+          f"1 megarl CPU engine server (bf16, 1 thread); median of syncs 2..{args.syncs} per transport")
     print()
     print(f"| {'path':<38} | {'seconds':>7} | {'GB/s':>5} | {'vs bound':>9} | {'first sync':>10} |")
     print(f"|{'-' * 40}|{'-' * 9}|{'-' * 7}|{'-' * 11}|{'-' * 12}|")
     print(f"| {'memcpy (one copy, 1 thread)':<38} | {memcpy_s:7.2f} | {gb / memcpy_s:5.2f} | {'':>9} | {'':>10} |")
+    print(f"| {'two copies at once (2 processes)':<38} | {two_copies_s:7.2f} | {gb / two_copies_s:5.2f} | "
+          f"{two_copies_s / memcpy_s:4.1f}x mem | {'':>10} |")
     print(f"| {'raw gloo broadcast (1 -> 1)':<38} | {gloo_s:7.2f} | {gb / gloo_s:5.2f} | {'':>9} | {'':>10} |")
     bounds = {"tensor": ("memcpy", memcpy_s, 2.0), "distributed": ("gloo", gloo_s, 3.0), "disk": ("memcpy", memcpy_s, None)}
     verdicts = []

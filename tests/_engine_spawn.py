@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -51,10 +52,13 @@ def run_spawned(target, *, world_size: int = 1, layout: dict | None = None, time
         ]
         for proc in procs:
             proc.start()
-        for proc in procs:
-            proc.join(timeout_s)
+        # Poll exit codes rather than join(): torch's shared-memory manager, started by a rank
+        # that shares a tensor, inherits that rank's sentinel pipe and keeps join() waiting.
+        deadline = time.monotonic() + timeout_s
+        while any(proc.exitcode is None for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
         for proc in procs:  # only our own children, by handle
-            if proc.is_alive():
+            if proc.exitcode is None:
                 proc.kill()
                 proc.join()
         errors = sorted(Path(out_dir).glob("error*.txt"))

@@ -91,10 +91,13 @@ def _run_rank(target, rank: int, world_size: int, port: int, out_dir: str, kwarg
         raise
 
 
-def tp2_pp2_rank(*, rank: int, world_size: int, port: int, url: str, disk_dir: str) -> dict:
+def tp2_pp2_rank(*, rank: int, world_size: int, port: int, url: str, disk_dir: str, transports: list[str],
+                 shared_memory: bool) -> dict:
     """One of four bf16 trainer ranks (TP2 x PP2): one sync per transport, each with other weights.
+    `shared_memory` False makes the TP ranks assemble by point-to-point gather, as on GPUs or across hosts.
 
-    Returns, per transport, its SyncStats and (rank 0) the server's digests right after that sync.
+    Returns, per transport, its SyncStats and (rank 0) the server's digests right after that sync,
+    and under "same_host" what the sync groups found.
     """
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=world_size)
@@ -103,9 +106,11 @@ def tp2_pp2_rank(*, rank: int, world_size: int, port: int, url: str, disk_dir: s
     layout = TrainerLayout(tp=2, pp=2)
     plan = build_plan(ARCH, layout, dtype=torch.bfloat16, bucket_bytes=BUCKET_BYTES)
     groups = SyncGroups.build(coords, timeout_s=60)
+    results = {"same_host": groups.tp_same_host}
+    groups.tp_same_host = groups.tp_same_host and shared_memory
     client = RolloutClient([url], api_key=API_KEY, timeout_s=60) if coords.tp_rank == 0 else None
-    results = {}
-    for name, seed in PP_TRANSPORTS.items():
+    for name in transports:
+        seed = PP_TRANSPORTS[name]
         local = local_shards(trainer_weights(seed, torch.bfloat16), layout, tp_rank=coords.tp_rank,
                              pp_rank=coords.pp_rank, padded_vocab=plan.padded_vocab)
         syncer = WeightSyncer(plan, make_transport(name, client, timeout_s=60, disk_dir=disk_dir), groups,
@@ -141,7 +146,7 @@ def megatron_worker_pushes(*, rank: int, world_size: int, port: int, checkpoint:
                                        dict(transport="distributed", verify="checksum"),  # groups reused
                                        dict(transport="disk", disk_dir=disk_dir, verify="checksum"),
                                        dict(transport="tensor"),
-                                       dict()]):  # weight sync v1
+                                       dict()]):  # the default transport (tensor)
         metrics = worker.push_weights(urls=[url], api_key=API_KEY, version=version, bucket_mb=0.05, timeout_s=60,
                                       **options)
         if rank == 0:

@@ -575,3 +575,30 @@ def test_launcher_reports_a_server_that_cannot_start(tmp_path):
         start_cpu_engine(tmp_path, log_path=tmp_path / "log.txt", startup_timeout_s=60)
     message = str(error.value)
     assert "exited with status" in message and "config" in message.lower()
+
+
+def test_dtype_serves_in_the_checkpoints_or_the_given_dtype_and_refuses_lossy_updates(model_dirs, tmp_path):
+    """`--dtype` as SGLang's: "auto" keeps the checkpoint's bf16; a bf16 engine takes bf16 bit for bit and
+    refuses float32 (rounding would change the trainer's weights silently)."""
+    from megarl.rollout.cpu_engine.checksum import tensor_digest
+    from megarl.rollout.cpu_engine.weights import WeightUpdateError, apply_named_tensors, load_model
+
+    build_model(2).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert load_model(tmp_path / "bf16").model.norm.weight.dtype == torch.float32  # the CPU default
+    model = load_model(tmp_path / "bf16", dtype="auto")
+    assert {tensor.dtype for tensor in model.state_dict().values()} == {torch.bfloat16}
+    update = torch.randn(64, 64).to(torch.bfloat16)
+    apply_named_tensors(model, [("model.layers.0.self_attn.o_proj.weight", update)])
+    assert torch.equal(model.model.layers[0].self_attn.o_proj.weight, update)
+    with pytest.raises(WeightUpdateError, match=r"model\.norm\.weight: dtype torch\.float32 != model dtype"):
+        apply_named_tensors(model, [("model.norm.weight", torch.ones(64))])
+
+    handle = start_cpu_engine(model_dirs["base"], api_key=API_KEY, log_path=tmp_path / "server.log", dtype="bfloat16")
+    try:
+        info = call(handle, "/get_server_info", method="GET")[1]
+        digests = call(handle, "/weights_checksum", method="GET")[1]["checksums"]
+    finally:
+        handle.stop()
+    assert info["dtype"] == "bfloat16"
+    base = AutoModelForCausalLM.from_pretrained(str(model_dirs["base"]), dtype=torch.bfloat16)
+    assert digests["model.layers.1.mlp.down_proj.weight"] == tensor_digest(base.model.layers[1].mlp.down_proj.weight)

@@ -28,7 +28,8 @@ from megarl.rollout.client import RolloutError
 from megarl.rollout.dispatch import generate_rows, sample_seed
 from megarl.rollout.results import GenerationResult
 from megarl.rollout.sglang_launcher import sglang_server_argv
-from megarl.weightsync import sync_from_tensor
+from megarl.models import arch_from_hf, hf_to_megatron
+from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
 
 API_KEY = "fleet-test-key"
 MAX_RESPONSE = 48
@@ -189,14 +190,24 @@ def fleet(ray_session, models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pushes(fleet, models):
-    """The trained weights as the fleet's weight source; records every push."""
-    named = dict(models["trained"].state_dict())
+    """The trained weights as the fleet's weight source (one trainer rank, the tensor transport); records
+    every push."""
+    trained = models["trained"]
+    arch = arch_from_hf(trained.config.to_dict())
+    plan = build_plan(arch, TrainerLayout(), dtype=torch.float32, bucket_bytes=2**20)
+    full = hf_to_megatron(dict(trained.state_dict()), arch, padded_vocab=plan.padded_vocab)
+    local = {(0, name): tensor for name, tensor in full.items()}
     calls: list[tuple[list[str], object]] = []
 
     def push(*, urls, version):
         calls.append((list(urls), version))
         with RolloutClient(urls, api_key=API_KEY) as client:
-            return sync_from_tensor(named, client, weight_version=str(version))
+            syncer = WeightSyncer(plan, make_transport("tensor", client, timeout_s=60),
+                                  SyncGroups.build(RankCoords(), timeout_s=60), client=client)
+            try:
+                return syncer.push(local, weight_version=str(version))
+            finally:
+                syncer.close()
 
     fleet.set_weight_source(push)
     return calls

@@ -175,3 +175,32 @@ def test_moe_experts_are_sent_by_the_ep_rank_that_holds_them(tp, pp, ep):
                     assert f"local_experts.{expert % per_rank}." in param.local_name
                 else:
                     assert bucket.ep_rank == 0, out.name  # dense tensors: EP rank 0 sends them
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_tp_rank_writes_only_its_own_runs_and_together_they_make_the_bucket(tp):
+    """The shared-memory assembly: every TP rank writes its part of one buffer; no byte is written twice."""
+    arch = arch_from_hf({**BASE, **FAMILIES["qwen2"]})  # biases and tied embeddings: replicated and split params
+    hf = random_hf(arch, seed=tp, dtype=torch.bfloat16)
+    layout = TrainerLayout(tp=tp)
+    plan = build_plan(arch, layout, dtype=torch.bfloat16, bucket_bytes=60_000)
+    shards = rank_shards(hf, arch, layout, plan.padded_vocab)
+    for bucket in plan.buckets:
+        out = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        written = torch.zeros(bucket.nbytes // 2, dtype=torch.int64)  # bf16 elements written, per position
+        for tp_rank in range(tp):
+            part = torch.full((bucket.nbytes,), 0xFF, dtype=torch.uint8)  # bf16 NaN pattern: untouched
+            assemble_bucket(bucket, lambda param, r: shards[(r, 0, 0)][param.vpp_rank][param.local_name], out=part,
+                            only_tp_rank=tp_rank)
+            touched = part.view(torch.int16) != -1
+            written += touched
+            out.view(torch.int16)[touched] = part.view(torch.int16)[touched]
+            if tp_rank > 0:  # replicated parameters (norms) are TP rank 0's alone
+                for param in bucket.params:
+                    if param.split_dim is None:
+                        for hf_tensor in param.outputs:
+                            assert not touched[hf_tensor.offset // 2 : (hf_tensor.offset + hf_tensor.nbytes) // 2].any()
+        assert torch.equal(written, torch.ones_like(written)), f"bucket {bucket.index}"
+        for tensor in bucket.tensors:
+            got = out[tensor.offset : tensor.offset + tensor.nbytes].view(torch.bfloat16).view(tensor.shape)
+            assert torch.equal(got, hf[tensor.name]), tensor.name

@@ -170,22 +170,26 @@ def test_a_peer_that_never_joins_times_out_with_a_named_error():
 
 # ---- TP2 x PP2: four spawned trainer ranks (`_weightsync_ranks.tp2_pp2_rank`), two stage senders at once ----
 
-def test_tp2_pp2_stage_senders_sync_in_parallel(server, client, tmp_path):
+@pytest.mark.parametrize("shared_memory, transports", [(True, list(PP_TRANSPORTS)), (False, ["tensor"])],
+                         ids=["shared-memory-assembly", "point-to-point-gather"])
+def test_tp2_pp2_stage_senders_sync_in_parallel(server, client, tmp_path, shared_memory, transports):
     results = spawn_ranks(tp2_pp2_rank, world_size=4, out_dir=tmp_path, timeout_s=120, url=server.url,
-                          disk_dir=str(tmp_path / "sync"))
-    for name, seed in PP_TRANSPORTS.items():
+                          disk_dir=str(tmp_path / "sync"), transports=transports, shared_memory=shared_memory)
+    assert all(result["same_host"] for result in results)  # four local processes: one host
+    for name in transports:
+        seed = PP_TRANSPORTS[name]
         stats, digests = results[0][name]
         hf = trainer_weights(seed, torch.bfloat16)
         # bf16 trainer, float32 server: the widening cast is exact, so the digests agree.
         assert {key: digests[key] for key in hf} == reference_digests(hf), name
         assert stats.num_bytes == sum(t.numel() * 2 for t in hf.values())
         assert all(results[rank][name][0] is None for rank in range(1, 4))
-    assert client.model_info()[0]["weight_version"] == "pp-disk"
+    assert client.model_info()[0]["weight_version"] == f"pp-{transports[-1]}"
 
 
 @pytest.mark.slow
 def test_megatron_worker_pushes_through_every_path(server, tmp_path):
-    """The controller's entry point on real Megatron ranks (TP2 x PP2): each transport, then weight sync v1."""
+    """The controller's entry point on real Megatron ranks (TP2 x PP2): each transport, then the default."""
     hf = trainer_weights(41)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
     model.load_state_dict(hf)

@@ -163,7 +163,7 @@ class MegatronWorker:
         urls: list[str],
         api_key: str | None,
         version: int,
-        transport: str | None = None,
+        transport: str = "tensor",
         bucket_mb: float = 512,
         verify: str = "none",
         timeout_s: float = 600.0,
@@ -171,13 +171,10 @@ class MegatronWorker:
     ) -> dict[str, float] | None:
         """Load this policy's weights into every server in `urls` under `version`; metrics on rank 0, else None.
 
-        Collective over all ranks. `transport` None is weight sync v1 (every rank gathers the
-        full HF state dict, rank 0 sends it in one request). "tensor", "distributed" or "disk"
-        (`recipe.weight_sync`) reshard bucket by bucket through `megarl.weightsync`: each PP
-        stage gathers its buckets over TP and its sender pushes them, stages in parallel.
+        Collective over all ranks. `transport` "tensor", "distributed" or "disk" (`recipe.weight_sync`)
+        reshards bucket by bucket through `megarl.weightsync`: each PP stage assembles its buckets
+        over TP and its sender pushes them, stages in parallel.
         """
-        if transport is None:
-            return self._push_weights_v1(urls=urls, api_key=api_key, version=version)
         from megarl.engines.distributed import parallel_layout
         from megarl.weightsync.engine_sync import EngineWeightSync
         from megarl.weightsync.groups import RankCoords
@@ -197,17 +194,3 @@ class MegatronWorker:
             self._weight_sync.close()
             self._weight_sync = None
 
-    def _push_weights_v1(self, *, urls: list[str], api_key: str | None, version: int) -> dict[str, float] | None:
-        """Weight sync v1: gather HF-named tensors (collective), rank 0 sends them to every server."""
-        named = self.engine.hf_state_dict()
-        if self.rank != 0:
-            return None
-        from megarl.rollout.client import RolloutClient
-        from megarl.weightsync import sync_from_tensor
-
-        client = RolloutClient(urls, api_key=api_key)
-        try:
-            stats = sync_from_tensor(named, client, weight_version=str(version))
-        finally:
-            client.close()
-        return {"perf/weight_sync_gbps": stats.gbps, "weight_sync/seconds": stats.seconds}

@@ -4,7 +4,7 @@
 HF state dict, or seeded random weights generated in HF layout (so a seed means the
 same model at every parallel layout). `hf_state_dict` is the inverse: every rank ends
 up with the full HF-named float32 CPU state dict (TP shards all-gathered, MoE experts
-all-gathered over EP, PP stages broadcast), which weight sync v1 and export use.
+all-gathered over EP, PP stages broadcast), which export and the reference model load use.
 """
 
 from __future__ import annotations

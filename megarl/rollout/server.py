@@ -92,13 +92,14 @@ def cpu_engine_command(
     weight_version: str | None = None,
     seed: int | None = None,
     log_level: str = "info",
+    dtype: str | None = None,
 ) -> list[str]:
     """The argv that runs one CPU engine server."""
     command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
     command += ["--log-level", log_level]
     optional = {"--api-key": api_key, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
-                "--seed": seed}
+                "--seed": seed, "--dtype": dtype}
     for flag, value in optional.items():
         if value is not None:
             command += [flag, str(value)]
@@ -132,6 +133,7 @@ def start_cpu_engine(
     log_path: str | Path | None = None,
     env: dict[str, str] | None = None,
     startup_timeout_s: float = 120.0,
+    dtype: str | None = None,
 ) -> ServerHandle:
     """Start one CPU engine server and wait until it is healthy."""
     port = port if port is not None else free_port(host)
@@ -141,7 +143,7 @@ def start_cpu_engine(
         log_path = name
     command = cpu_engine_command(model_path, host=host, port=port, api_key=api_key, threads=threads,
                                  tokenizer_path=tokenizer_path, max_batch=max_batch, weight_version=weight_version,
-                                 seed=seed, log_level=log_level)
+                                 seed=seed, log_level=log_level, dtype=dtype)
     # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
     process_env = {**(env or {}), "OMP_NUM_THREADS": str(threads)}
     server = spawn_server(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key)

@@ -2,14 +2,15 @@
 
 - `plan`: the resharding plan (pure): per Megatron shard, the HF tensors it makes, the
   sender rank and the size-capped bucket; `assemble_bucket` runs its copy program.
-- `gather`, `pipeline`: per PP stage, a TP gather per bucket overlapped with sending.
+- `gather`, `pipeline`: per PP stage, the TP ranks assemble each bucket (in shared memory on
+  CPU, by a gather otherwise), overlapped with sending.
 - transports: `tensor` (colocated, `/update_weights_from_tensor`, flattened buckets in
   shared memory), `distributed` (one broadcast group per PP stage,
   `/update_weights_from_distributed`), `disk` (safetensors + `/update_weights_from_disk`).
 - `session`, `checksum`: begin/end with pause and version, phase-named errors with
   timeouts, and the optional per-tensor checksum verification.
+- `buffers`: bucket buffers kept across syncs, shared memory on CPU.
 - `syncer.WeightSyncer`: one sync across all trainer ranks.
-`sync_from_tensor` is weight sync v1 (one full HF state dict through the tensor path).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from megarl.weightsync.pipeline import Transport
 from megarl.weightsync.plan import ReshardPlan, TrainerLayout, assemble_bucket, build_plan
 from megarl.weightsync.session import SyncStats, WeightSyncError
 from megarl.weightsync.syncer import WeightSyncer
-from megarl.weightsync.tensor_transport import TensorTransport, sync_from_tensor
+from megarl.weightsync.tensor_transport import TensorTransport
 
 TRANSPORTS = ("tensor", "distributed", "disk")
 
@@ -41,7 +42,6 @@ __all__ = [
     "assemble_bucket",
     "build_plan",
     "make_transport",
-    "sync_from_tensor",
 ]
 
 

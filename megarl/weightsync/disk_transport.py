@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megarl.rollout.client import RolloutClient
+from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.plan import Bucket
 from megarl.weightsync.session import call_servers
 
@@ -36,9 +37,10 @@ class DiskTransport:
     def __init__(self, client: RolloutClient, *, root: str | Path):
         self.client = client
         self.root = Path(root)
+        self._ring = BufferRing()
 
     def buffer(self, slot: int, nbytes: int) -> Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return self._ring.get(slot, nbytes)
 
     def staging_dir(self, weight_version: str) -> Path:
         return self.root / f".v{weight_version}.tmp"
@@ -76,7 +78,7 @@ class DiskTransport:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
-        pass
+        self._ring.clear()
 
 
 def write_safetensors(path: Path, bucket: Bucket, flat: Tensor) -> None:

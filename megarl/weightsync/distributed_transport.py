@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.client import RolloutClient
+from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.plan import Bucket
 from megarl.weightsync.session import WeightSyncError, call_servers
 from megarl.weightsync.update_group import POLL_S, destroy_update_group, init_update_group
@@ -48,7 +49,7 @@ class DistributedTransport:
         # Unique per trainer: a group name a dead trainer left joined on a server cannot collide.
         self.group_prefix = group_prefix or f"megarl_{secrets.token_hex(4)}"
         self._groups: dict[int, tuple[str, dist.ProcessGroup]] = {}
-        self._buffers: dict[int, Tensor] = {}
+        self._ring = BufferRing(self.device)
         self._pool = ThreadPoolExecutor(MAX_PENDING + 1, thread_name_prefix="weight-sync-meta")
         self._pending: list[Future] = []
 
@@ -59,10 +60,7 @@ class DistributedTransport:
         return torch.device("cpu")
 
     def buffer(self, slot: int, nbytes: int) -> Tensor:
-        held = self._buffers.get(slot)
-        if held is None or held.numel() < nbytes:
-            held = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return held
+        return self._ring.get(slot, nbytes)
 
     def prepare(self, *, weight_version: str) -> None:
         pass
@@ -122,7 +120,7 @@ class DistributedTransport:
         for pp_rank in list(self._groups):
             name, group = self._groups.pop(pp_rank)
             destroy_update_group(self.client, group, group_name=name)
-        self._buffers.clear()
+        self._ring.clear()
         self._pool.shutdown(wait=False)
 
     def _forget(self, pp_rank: int) -> None:

@@ -3,16 +3,20 @@
 `RankCoords` is the rank's position (from `megarl.engines.distributed.parallel_layout()`,
 or written by hand in tests). `SyncGroups.build` is a collective over the default
 group: it learns every rank's coordinates and creates, with the sync's timeout,
-one TP group per PP stage of DP replica 0 (dense buckets are gathered there; with
+one TP group per PP stage of DP replica 0 (dense buckets are assembled there; with
 MoE, DP ranks r < ep send EP rank r's experts, which are never TP-split; other
 replicas hold the same weights and stay idle) and a gloo control group over all
 ranks for the small object exchanges that keep every rank's outcome consistent.
+It also learns whether the TP group shares one host (`tp_same_host`): then CPU
+shards meet in shared memory instead of travelling over a socket.
 Building our own groups keeps megatron out of this package.
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
@@ -49,17 +53,22 @@ class RankCoords:
 class SyncGroups:
     """This rank's TP gather group (None when it has no TP peers or is not in DP replica 0) and the control group."""
 
-    def __init__(self, coords: RankCoords, *, tp_group, tp_ranks: list[int], control, timeout_s: float):
+    def __init__(self, coords: RankCoords, *, tp_group, tp_ranks: list[int], control, timeout_s: float,
+                 tp_same_host: bool = False):
         self.coords, self.tp_group, self.tp_ranks = coords, tp_group, tp_ranks
         self.control, self.timeout_s = control, timeout_s
+        # Every rank of the TP group runs on this host: CPU shards can meet in shared memory.
+        self.tp_same_host = tp_same_host
 
     @classmethod
     def build(cls, coords: RankCoords, *, timeout_s: float) -> SyncGroups:
         if coords.world_size == 1:
             return cls(coords, tp_group=None, tp_ranks=[0], control=None, timeout_s=timeout_s)
         timeout = timedelta(seconds=timeout_s)
-        everyone: list[Any] = [None] * coords.world_size
-        dist.all_gather_object(everyone, coords)
+        placed: list[Any] = [None] * coords.world_size
+        dist.all_gather_object(placed, (coords, host_identity()))
+        everyone = [c for c, _ in placed]
+        host_of = {c.rank: host for c, host in placed}
         senders = sorted((c.pp_rank, c.ep_rank) for c in everyone if c.is_sender)
         if senders != [(pp, ep) for pp in range(coords.pp_size) for ep in range(coords.ep_size)]:
             raise ValueError(f"weight sync needs one sender per (PP stage, EP rank) (TP rank 0, DP rank < ep); "
@@ -73,7 +82,9 @@ class SyncGroups:
             if coords.rank in ranks:
                 tp_group, tp_ranks = group, ranks
         control = dist.new_group(list(range(coords.world_size)), timeout=timeout, backend="gloo")
-        return cls(coords, tp_group=tp_group, tp_ranks=tp_ranks, control=control, timeout_s=timeout_s)
+        same_host = len({host_of[rank] for rank in tp_ranks}) == 1
+        return cls(coords, tp_group=tp_group, tp_ranks=tp_ranks, control=control, timeout_s=timeout_s,
+                   tp_same_host=same_host)
 
     def share_from_zero(self, value: Any, *, phase: str) -> Any:
         """Rank 0's `value` on every rank."""
@@ -98,6 +109,16 @@ class SyncGroups:
             raise WeightSyncError(f"{phase}: control all-gather on trainer rank {self.coords.rank} failed or "
                                   f"timed out after {self.timeout_s:.0f} s: {error}") from error
         return values
+
+
+def host_identity() -> str:
+    """Hostname and boot id: two processes with equal identities see the same /dev/shm (a hostname
+    alone can repeat across machines, e.g. containers left at a default name)."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
 
 
 def device_for(backend: str | None = None) -> torch.device:

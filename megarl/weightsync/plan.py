@@ -169,12 +169,15 @@ def build_plan(
 
 
 def assemble_bucket(
-    bucket: Bucket, shard_of: Callable[[ParamPlan, int], Tensor], *, out: Tensor | None = None
+    bucket: Bucket, shard_of: Callable[[ParamPlan, int], Tensor], *, out: Tensor | None = None,
+    only_tp_rank: int | None = None,
 ) -> list[tuple[str, Tensor]]:
     """The bucket's HF tensors, written into `out` (a uint8 buffer of >= bucket.nbytes) from the TP shards.
 
     `shard_of(param, tp_rank)` returns that TP rank's shard of `param` (the param's shard
     shape; another dtype is cast). Returns (name, view of `out` in the bucket's dtype) pairs.
+    With `only_tp_rank`, only the runs that rank's shards fill are written (replicated
+    parameters belong to TP rank 0): TP ranks sharing `out` in memory each write their part.
     """
     if out is None:
         out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=shard_of(bucket.params[0], 0).device)
@@ -186,6 +189,8 @@ def assemble_bucket(
         for hf in param.outputs:
             dest = out[hf.offset : hf.offset + hf.nbytes].view(bucket.dtype).view(hf.shape)
             for run in hf.runs:
+                if only_tp_rank is not None and run.tp_rank != only_tp_rank:
+                    continue
                 if run.tp_rank not in shards:
                     shards[run.tp_rank] = shard_of(param, run.tp_rank)
                 source = shards[run.tp_rank].narrow(hf.dim, run.src_start, run.length)

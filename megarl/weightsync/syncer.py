@@ -24,6 +24,7 @@ import torch
 
 from megarl.rollout.client import RolloutClient
 from megarl.weightsync.checksum import verify_server_checksums
+from megarl.weightsync.buffers import SharedMappings
 from megarl.weightsync.gather import StageAssembler
 from megarl.weightsync.groups import SyncGroups
 from megarl.weightsync.pipeline import Transport, run_stage
@@ -43,6 +44,7 @@ class WeightSyncer:
         self.client, self.verify = client, verify
         self.session = UpdateSession(client, pause_mode=pause_mode) if self.coords.rank == 0 else None
         self._scratch: dict[str, Tensor] = {}  # TP gather buffers, kept across syncs
+        self._mappings = SharedMappings()  # TP rank 0's bucket buffers, mapped on its peers
 
     def push(self, local: Mapping[tuple[int, str], Tensor], *, weight_version: str) -> SyncStats | None:
         start = time.perf_counter()
@@ -65,6 +67,7 @@ class WeightSyncer:
     def close(self) -> None:
         self.transport.close()
         self._scratch.clear()
+        self._mappings.clear()
 
     def _open(self, weight_version: str) -> None:
         self.session.open()
@@ -82,7 +85,8 @@ class WeightSyncer:
             return None, {}
         try:
             buckets = self.plan.stage_buckets(coords.pp_rank, ep_rank=coords.ep_rank)
-            assemble = StageAssembler(self.plan, local, self.groups, self._scratch, buckets=buckets)
+            assemble = StageAssembler(self.plan, local, self.groups, self._scratch, buckets=buckets,
+                                      mappings=self._mappings)
             if coords.is_sender:
                 self.transport.start_stage(coords.pp_rank, weight_version=weight_version)
             digests = run_stage(buckets, assemble=assemble, transport=self.transport if coords.is_sender else None,

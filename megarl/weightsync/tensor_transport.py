@@ -4,30 +4,22 @@
 one uint8 buffer plus per-tensor metadata. The bucket buffers live in shared
 memory (CPU; CUDA IPC on GPU) and are pickled by reference with torch's
 ForkingPickler, so a server maps the trainer's buffer and copies from it: the
-bytes never travel through HTTP and are never copied on the trainer side. Two
-buffers per sender are kept across syncs (re-faulting fresh shared memory every
-sync would cost more than the copy). Payloads are pickles: only send to servers
-you trust (SGLang's own property; protect servers with an API key).
-
-`sync_from_tensor` is weight sync v1: one full HF state dict, one request.
+bytes never travel through HTTP and are never copied on the trainer side. The
+buffers are kept across syncs (`buffers.BufferRing`). Payloads are pickles: only
+send to servers you trust (SGLang's own property; protect servers with an API key).
 """
 
 from __future__ import annotations
 
 import base64
-import io
-import pickle
-import time
-from multiprocessing.reduction import ForkingPickler
-from typing import Mapping
 
 import torch
-import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.tensor_transport import FlattenedTensorMetadata
+from megarl.weightsync.buffers import BufferRing, share_handle
 from megarl.weightsync.plan import Bucket
-from megarl.weightsync.session import SyncStats, call_servers
+from megarl.weightsync.session import call_servers
 
 Tensor = torch.Tensor
 
@@ -38,18 +30,10 @@ class TensorTransport:
     def __init__(self, client: RolloutClient, *, device: torch.device | None = None):
         self.client = client
         self.device = device or torch.device("cpu")
-        self._buffers: dict[int, Tensor] = {}
+        self._ring = BufferRing(self.device)
 
     def buffer(self, slot: int, nbytes: int) -> Tensor:
-        held = self._buffers.get(slot)
-        if held is None or held.numel() < nbytes:
-            held = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            if held.device.type == "cpu":
-                # file_system: the pickle carries a /dev/shm name that survives an HTTP body.
-                torch.multiprocessing.set_sharing_strategy("file_system")
-                held.share_memory_()
-            self._buffers[slot] = held
-        return held
+        return self._ring.get(slot, nbytes)
 
     def prepare(self, *, weight_version: str) -> None:
         pass
@@ -65,8 +49,8 @@ class TensorTransport:
         payload = {"flattened_tensor": flat[: bucket.nbytes], "metadata": metadata}
         # One pickle per server: each holds one reference on the shared buffer, which its receiver releases.
         bodies = [
-            {"serialized_named_tensors": [_pickle_b64(payload)], "load_format": "flattened_bucket",
-             "flush_cache": last}
+            {"serialized_named_tensors": [base64.b64encode(share_handle(payload)).decode("ascii")],
+             "load_format": "flattened_bucket", "flush_cache": last}
             for _ in self.client.urls
         ]
         call_servers(self.client, "POST", "/update_weights_from_tensor", bodies,
@@ -76,26 +60,4 @@ class TensorTransport:
         pass
 
     def close(self) -> None:
-        self._buffers.clear()
-
-
-def _pickle_b64(payload: object) -> str:
-    """SGLang's `serialized_named_tensors` entry: base64 of a ForkingPickler pickle (tensors by reference)."""
-    buffer = io.BytesIO()
-    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(payload)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def sync_from_tensor(
-    named_tensors: Mapping[str, torch.Tensor], client: RolloutClient, *, weight_version: str
-) -> SyncStats:
-    """Weight sync v1: load `named_tensors` into every server of `client` under `weight_version`."""
-    start = time.perf_counter()
-    tensors = {name: tensor.detach().contiguous() for name, tensor in named_tensors.items()}
-    client.begin_weight_update()
-    try:
-        client.update_weights_from_tensor(list(tensors.items()), weight_version=weight_version)
-    finally:
-        client.end_weight_update()
-    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return SyncStats(len(tensors), num_bytes, time.perf_counter() - start)
+        self._ring.clear()

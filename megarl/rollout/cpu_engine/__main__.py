@@ -9,6 +9,7 @@ import torch
 import uvicorn
 
 from megarl.rollout.cpu_engine.engine import EngineArgs
+from megarl.rollout.cpu_engine.weights import DTYPES
 from megarl.rollout.cpu_engine.http_server import build_app
 
 
@@ -23,6 +24,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=256, help="most sequences decoded together")
     parser.add_argument("--weight-version", default="default", help="initial weight_version")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests without sampling_seed")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="weight dtype, as SGLang's --dtype ('auto': the checkpoint's torch_dtype); float32 by "
+                             "default because bf16 matmuls on CPU are slow and round log-probs")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     args = parser.parse_args(argv)

@@ -33,7 +33,7 @@ from megarl.rollout.cpu_engine.weights import (
 from megarl.rollout.tensor_transport import deserialize_named_tensors
 
 SERVER_VERSION = "megarl-cpu-engine/0.1 (SGLang 0.5.23 HTTP protocol)"
-RECENT_BUCKETS = 4  # two bucket buffers per sender, two PP stages
+RECENT_BUCKETS = 8  # bucket buffers kept mapped: a few per sender, two or four PP stages
 
 
 @dataclass
@@ -50,6 +50,7 @@ class EngineArgs:
     weight_version: str = "default"
     seed: int = 0
     attn_implementation: str = "sdpa"
+    dtype: str = "float32"
 
 
 class CpuEngine:
@@ -57,7 +58,7 @@ class CpuEngine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
-        self.model = load_model(args.model_path, attn_implementation=args.attn_implementation)
+        self.model = load_model(args.model_path, dtype=args.dtype, attn_implementation=args.attn_implementation)
         self.tokenizer = load_tokenizer(
             args.tokenizer_path or args.model_path, required=args.tokenizer_path is not None
         )

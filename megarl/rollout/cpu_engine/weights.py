@@ -36,10 +36,17 @@ class WeightUpdateError(ValueError):
         super().__init__("; ".join(problems))
 
 
-def load_model(model_path: str | Path, *, attn_implementation: str = "sdpa") -> PreTrainedModel:
-    """The causal LM in float32 on CPU, in eval mode."""
+# SGLang's --dtype names; "auto" keeps the checkpoint's torch_dtype.
+DTYPES = {"auto": "auto", "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+
+
+def load_model(model_path: str | Path, *, dtype: str = "float32", attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The causal LM on CPU in `dtype` (a `DTYPES` name), in eval mode."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     model = AutoModelForCausalLM.from_pretrained(
-        str(model_path), dtype=torch.float32, attn_implementation=attn_implementation
+        str(model_path), dtype=DTYPES[dtype], attn_implementation=attn_implementation
     )
     return model.eval()
 
