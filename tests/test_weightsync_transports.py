@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -100,6 +101,24 @@ def test_transport_loads_the_trainer_weights_exactly(client, name, tmp_path):
         assert result.weight_version == f"{name}-1"
     if name == "disk":
         assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["vdisk-1"]  # staging renamed, vdisk-0 removed
+
+
+def test_shared_bucket_buffers_leave_nothing_in_dev_shm_once_trainer_and_server_are_done(server, tmp_path):
+    """The colocated buffers are /dev/shm files that both sides map; each side's release at close (the
+    trainer's `syncer.close`, the server's shutdown) must remove them, or every run leaks its buckets."""
+    handle = start_cpu_engine(server.log_path.parent / "model", api_key=API_KEY, log_path=tmp_path / "server.log")
+    before = set(Path("/dev/shm").iterdir())
+    try:
+        with RolloutClient([handle.url], api_key=API_KEY, timeout_s=60) as client:
+            syncer = one_rank_syncer(client, TensorTransport(client), verify=False)
+            hf = trainer_weights(5)
+            syncer.push(local_shards(hf, TrainerLayout(), padded_vocab=syncer.plan.padded_vocab), weight_version="x")
+            assert {key: server_digests(client)[key] for key in hf} == reference_digests(hf)
+            assert len(set(Path("/dev/shm").iterdir()) - before) == 2  # the two ring buffers, mapped by the server
+            syncer.close()
+    finally:
+        handle.stop()
+    assert set(Path("/dev/shm").iterdir()) - before == set()
 
 
 class CorruptingTransport(TensorTransport):

@@ -91,6 +91,9 @@ class CpuEngine:
 
     def shutdown(self) -> None:
         self.scheduler.stop()
+        # Unmap the trainer's buffers: the last process to let go of a /dev/shm file removes it,
+        # and one that exits still holding it leaves the file behind for good.
+        self._recent_buckets.clear()
 
     # ---- weight updates: each returns (success, message) ------------------------------------
 
