@@ -356,7 +356,7 @@ def test_info_endpoints_and_flush_cache(server, model_dirs):
         assert status == 200
         assert info["model_path"] == str(model_dirs["base"]) and info["is_generation"] is True
     status, info = call(server, "/get_server_info", method="GET")
-    assert status == 200 and info["max_batch"] == 256 and "api_key" not in info
+    assert status == 200 and info["max_batch"] == 256 and info["tp_size"] == 1 and "api_key" not in info
     assert call(server, "/flush_cache", method="GET")[0] == 200
     assert call(server, "/flush_cache")[0] == 200
 

@@ -41,6 +41,7 @@ from megarl.rollout.client import RolloutClient
 from megarl.rollout.cpu_engine.checksum import tensor_digest
 from megarl.rollout.cpu_engine.weights import apply_named_tensors, weight_checksums
 from megarl.rollout.server import free_port, start_cpu_engine
+from megarl.rollout.tensor_transport import deserialize_named_tensors
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncError, WeightSyncer, assemble_bucket
 from megarl.weightsync import build_plan, make_transport
 from megarl.weightsync.distributed_transport import DistributedTransport
@@ -185,6 +186,42 @@ def test_a_peer_that_never_joins_times_out_with_a_named_error():
     message = str(raised.value)
     assert "init weight-update group" in message and "timed out after 2 s" in message
     assert f"rank 1 = {url}: answered success" in message
+
+
+class _RecordingTp2Server(_SilentPeer):
+    """Says it has two TP ranks; keeps what each TP rank's entry of every update holds, read on arrival
+    (the trainer refills its buffers once the request is answered)."""
+
+    updates: list[list[dict[str, torch.Tensor]]] = []
+
+    def do_GET(self):
+        self._reply({"tp_size": 2})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        if self.path == "/update_weights_from_tensor":
+            self.updates.append([
+                {name: tensor.clone() for name, tensor in deserialize_named_tensors(entry, load_format="flattened_bucket")}
+                for entry in body["serialized_named_tensors"]])
+        self._reply({"success": True, "message": "ok"})
+
+
+def test_tensor_transport_sends_one_entry_per_server_tp_rank():
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), _RecordingTp2Server)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    hf = trainer_weights(3)
+    try:
+        with RolloutClient([f"http://127.0.0.1:{stub.server_address[1]}"], timeout_s=10) as client:
+            syncer = one_rank_syncer(client, TensorTransport(client), verify=False)
+            syncer.push(local_shards(hf, TrainerLayout(), padded_vocab=syncer.plan.padded_vocab), weight_version="t")
+            syncer.close()
+    finally:
+        stub.shutdown()
+    assert len(_RecordingTp2Server.updates) == len(syncer.plan.buckets) > 1
+    for bucket, (rank0, rank1) in zip(syncer.plan.buckets, _RecordingTp2Server.updates):
+        # Each TP rank gets the whole bucket.
+        assert sorted(rank0) == sorted(rank1) == sorted(tensor.name for tensor in bucket.tensors)
+        assert all(torch.equal(rank0[name], hf[name]) and torch.equal(rank1[name], hf[name]) for name in rank0)
 
 
 # ---- TP2 x PP2: four spawned trainer ranks (`_weightsync_ranks.tp2_pp2_rank`), two stage senders at once ----

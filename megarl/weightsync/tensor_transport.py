@@ -5,7 +5,8 @@ one uint8 buffer plus per-tensor metadata. The bucket buffers live in shared
 memory (CPU; CUDA IPC on GPU) and are pickled by reference with torch's
 ForkingPickler, so a server maps the trainer's buffer and copies from it: the
 bytes never travel through HTTP and are never copied on the trainer side. The
-buffers are kept across syncs (`buffers.BufferRing`). Payloads are pickles: only
+buffers are kept across syncs (`buffers.BufferRing`). A server with TP > 1 gets
+one entry per TP rank (its `/server_info` `tp_size`, asked once), as SGLang expects. Payloads are pickles: only
 send to servers you trust (SGLang's own property; protect servers with an API key).
 """
 
@@ -31,6 +32,7 @@ class TensorTransport:
         self.client = client
         self.device = device or torch.device("cpu")
         self._ring = BufferRing(self.device)
+        self._tp_sizes: list[int] | None = None  # per server, learned once
 
     def buffer(self, slot: int, nbytes: int) -> Tensor:
         return self._ring.get(slot, nbytes)
@@ -39,7 +41,9 @@ class TensorTransport:
         pass
 
     def start_stage(self, pp_rank: int, *, weight_version: str) -> None:
-        pass
+        if self._tp_sizes is None:
+            infos = call_servers(self.client, "GET", "/server_info", phase=f"tensor transport set-up, PP stage {pp_rank}")
+            self._tp_sizes = [int(info.get("tp_size", 1)) if isinstance(info, dict) else 1 for info in infos]
 
     def send(self, bucket: Bucket, flat: Tensor, *, last: bool) -> None:
         metadata = [
@@ -47,11 +51,14 @@ class TensorTransport:
             for t in bucket.tensors
         ]
         payload = {"flattened_tensor": flat[: bucket.nbytes], "metadata": metadata}
-        # One pickle per server: each holds one reference on the shared buffer, which its receiver releases.
+        # SGLang takes one entry per server TP rank (each rank loads its slice of the full tensors).
+        # One pickle per receiver: a CUDA IPC pickle carries one reference for one consumer.
+        tp_sizes = self._tp_sizes or [1] * len(self.client.urls)
         bodies = [
-            {"serialized_named_tensors": [base64.b64encode(share_handle(payload)).decode("ascii")],
+            {"serialized_named_tensors": [base64.b64encode(share_handle(payload)).decode("ascii")
+                                          for _ in range(tp_size)],
              "load_format": "flattened_bucket", "flush_cache": last}
-            for _ in self.client.urls
+            for tp_size in tp_sizes
         ]
         call_servers(self.client, "POST", "/update_weights_from_tensor", bodies,
                      phase=f"tensor transport, bucket {bucket.index} (PP stage {bucket.pp_rank})")

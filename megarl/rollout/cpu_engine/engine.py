@@ -245,6 +245,7 @@ class CpuEngine:
         return {
             **settings,
             "version": SERVER_VERSION,
+            "tp_size": 1,  # one process holds the whole model; weight updates take one entry
             "weight_version": self.weight_version,
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
