@@ -156,3 +156,30 @@ def megatron_worker_pushes(*, rank: int, world_size: int, port: int, checkpoint:
         client.close()
     destroy_distributed()
     return results
+
+
+def megatron_moe_ep_push(*, rank: int, world_size: int, port: int, checkpoint: str, url: str) -> dict | None:
+    """A Megatron rank of an EP2 (DP2) MoE policy: one checked tensor-transport push, as the controller makes it.
+
+    Returns, on trainer rank 0, the push's metrics and the server's digests after it.
+    """
+    import json
+
+    from megarl.controller.engine_worker import MegatronWorker
+    from megarl.engines.actor import PolicyEngine
+    from megarl.engines.distributed import destroy_distributed, init_distributed
+
+    init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=1, pp=1,
+                     ep=world_size)
+    worker = MegatronWorker(rank=rank, world_size=world_size)
+    hf_config = json.loads((Path(checkpoint) / "config.json").read_text())
+    worker.engine = PolicyEngine(hf_config=hf_config, weights=checkpoint, trainable=False)
+    metrics = worker.push_weights(urls=[url], api_key=API_KEY, version="ep", bucket_mb=0.05, timeout_s=60,
+                                  transport="tensor", verify="checksum")
+    digests = None
+    if rank == 0:
+        with RolloutClient([url], api_key=API_KEY, timeout_s=60) as client:
+            digests = server_digests(client)
+    worker.close_weight_sync()
+    destroy_distributed()
+    return {"metrics": metrics, "digests": digests}

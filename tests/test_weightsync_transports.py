@@ -27,6 +27,7 @@ from _weightsync_ranks import (
     CONFIG,
     PP_TRANSPORTS,
     local_shards,
+    megatron_moe_ep_push,
     megatron_worker_pushes,
     reference_digests,
     server_digests,
@@ -314,3 +315,30 @@ def test_moe_ep2_buckets_load_into_the_cpu_engine_model():
         apply_named_tensors(model, named)
     held = weight_checksums(model)
     assert {name: held[name] for name in hf} == reference_digests(hf)
+
+
+@pytest.mark.slow
+def test_megatron_moe_ep2_push_loads_every_expert_into_the_server(tmp_path):
+    """Real Megatron ranks holding half the experts each (EP2): each EP rank sends its own experts under
+    their global index, and the CPU engine ends up with the checkpoint's weights bit for bit."""
+    config = Qwen3MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
+    for seed, name in [(0, "served"), (1, "trainer")]:
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(config).eval()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.1)  # HF leaves experts and router uninitialised
+        model.save_pretrained(tmp_path / name)
+    handle = start_cpu_engine(tmp_path / "served", api_key=API_KEY, log_path=tmp_path / "server.log")
+    try:
+        results = spawn_ranks(megatron_moe_ep_push, world_size=2, out_dir=tmp_path, timeout_s=240,
+                              checkpoint=str(tmp_path / "trainer"), url=handle.url)
+    finally:
+        handle.stop()
+    assert results[1]["metrics"] is None
+    expected = {name: tensor_digest(tensor) for name, tensor in model.state_dict().items()}
+    held = results[0]["digests"]
+    assert any(".experts." in name for name in expected)
+    assert {name: held[name] for name in expected} == expected

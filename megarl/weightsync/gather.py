@@ -57,8 +57,8 @@ class StageAssembler:
         self.shared_memory = groups.tp_same_host and self._device.type == "cpu"
 
     def __call__(self, bucket: Bucket, out: Tensor | None) -> None:
-        if not any(param.split_dim is not None for param in bucket.params):
-            # Nothing TP-split (TP 1, or experts only): TP rank 0 holds all of it.
+        if self.plan.layout.tp == 1 or not any(param.split_dim is not None for param in bucket.params):
+            # Nothing split over TP (TP 1, or experts only): TP rank 0 holds all of it.
             if self.groups.coords.tp_rank == 0:
                 assemble_bucket(bucket, self._local, out=out)
         elif self.shared_memory:
