@@ -80,13 +80,15 @@ def write_checkpoint(config: dict, path: Path) -> None:
             handle.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
-    """Median seconds of one single-threaded copy of `nbytes` (both buffers touched first: no page faults)."""
+def memcpy_seconds(nbytes: int, repeats: int = 5, before_each=lambda: None) -> float:
+    """Median seconds of one single-threaded copy of `nbytes` (both buffers touched first: no page faults);
+    `before_each` runs before every timed copy (a barrier, to copy at the same moment as another process)."""
     torch.set_num_threads(1)
     source = torch.ones(nbytes, dtype=torch.uint8)
     target = torch.zeros(nbytes, dtype=torch.uint8)
     times = []
     for _ in range(repeats):
+        before_each()
         start = time.perf_counter()
         target.copy_(source)
         times.append(time.perf_counter() - start)
@@ -95,17 +97,8 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
 
 
 def concurrent_copy_rank(rank: int, nbytes: int, barrier, out: str) -> None:
-    """One of two processes copying `nbytes` at the same moment (the median of 5 rounds)."""
-    torch.set_num_threads(1)
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    target = torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(5):
-        barrier.wait()
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    Path(f"{out}.{rank}").write_text(str(statistics.median(times)))
+    """One of two processes copying `nbytes` at the same moment."""
+    Path(f"{out}.{rank}").write_text(str(memcpy_seconds(nbytes, before_each=barrier.wait)))
 
 
 def two_copies_seconds(nbytes: int, workdir: Path) -> float:

@@ -5,7 +5,9 @@ configs, `hf_weights` moves HF weights in and out, `checkpoint` saves/loads dist
 checkpoints at any layout and `export` turns one into an HF checkpoint, `logprobs`
 computes token log-probs/entropy from vocab-parallel logits, `packing` + `schedule`
 build (packed) micro-batches and run megatron's pipeline schedule over them, `optim`
-holds optimizer + LR schedule, and `actor.PolicyEngine` is the actor/reference.
+holds optimizer + LR schedule, `actor.PolicyEngine` is the actor/reference and
+`critic.ValueEngine` the critic, both on `engine_base.MegatronEngine` (micro-batching,
+forward passes over rows, epochs of mini-batches, checkpoints).
 On a CPU-only machine `cpu_compat` makes megatron run there; importing this package
 installs its process-wide torch.cuda stubs first, so they precede every megatron import.
 """

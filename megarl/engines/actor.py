@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights
+from megarl.engines import cpu_compat, gpt, hf_weights
+from megarl.engines.engine_base import MegatronEngine
 from megarl.engines.losses import (
     PPOSettings,
     dp_sum,
@@ -28,18 +29,12 @@ from megarl.engines.losses import (
     sft_loss,
 )
 from megarl.engines.optim import TrainState, build_train_state
-from megarl.engines.schedule import (
-    MicroBatches,
-    broadcast_from_last_stage,
-    is_output_stage,
-    make_micro_batches,
-    run_schedule,
-)
+from megarl.engines.schedule import MicroBatches, run_schedule
 
 Tensor = torch.Tensor
 
 
-class PolicyEngine:
+class PolicyEngine(MegatronEngine):
     """One rank of a Megatron policy: log-probs, PPO updates, SFT steps, HF weights in/out."""
 
     def __init__(
@@ -92,16 +87,6 @@ class PolicyEngine:
             for param in itertools.chain.from_iterable(chunk.parameters() for chunk in self.model.chunks):
                 param.requires_grad_(False)
 
-    # ------------------------------------------------------------------ helpers
-
-    @property
-    def _chunks(self) -> list[torch.nn.Module]:
-        return self.train.ddp_chunks if self.train else self.model.chunks
-
-    def _set_mode(self, training: bool) -> None:
-        for chunk in self._chunks:
-            chunk.train(training)
-
     # ------------------------------------------------------------------ inference
 
     def compute_log_prob(
@@ -123,8 +108,6 @@ class PolicyEngine:
         Values at response padding positions are meaningless (mask them).
         """
         cpu_compat.install()
-        self._set_mode(False)
-        rows = input_ids.shape[0]
 
         def loss_fn(mb, logits):
             log_probs, entropy = response_log_probs(
@@ -140,27 +123,15 @@ class PolicyEngine:
                 "entropy": None if entropy is None else entropy.cpu(),
             }
 
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        micro = self._micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
-        with torch.no_grad():
-            outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=True)
-        shape = (rows, response_length)
-
-        def collect(key: str) -> Tensor:
-            values = micro.scatter_rows([o[key] for o in outputs], rows) if is_output_stage() else None
-            return broadcast_from_last_stage(values, shape)
-
-        return collect("log_probs"), collect("entropy") if with_entropy else None
-
-    def _micro_batches(
-        self, batch: dict[str, Tensor], micro_batch_size: int, max_tokens_per_microbatch: int | None
-    ) -> MicroBatches:
-        return make_micro_batches(
-            batch,
+        shape = (input_ids.shape[0], response_length)
+        out = self._forward_rows(
+            {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
             micro_batch_size=micro_batch_size,
             max_tokens_per_microbatch=max_tokens_per_microbatch,
-            num_chunks=len(self._chunks),
+            loss_fn=loss_fn,
+            shapes={"log_probs": shape, **({"entropy": shape} if with_entropy else {})},
         )
+        return out["log_probs"], out.get("entropy")
 
     # ------------------------------------------------------------------ training
 
@@ -208,8 +179,7 @@ class PolicyEngine:
         cpu_compat.install()
         if use_kl_loss and ref_log_prob is None:
             raise ValueError("use_kl_loss=True needs ref_log_prob")
-        self._set_mode(True)
-        rows, response_length = response_mask.shape
+        response_length = response_mask.shape[1]
         data = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -230,17 +200,16 @@ class PolicyEngine:
             kl_loss_coef=kl_loss_coef,
             kl_loss_type=kl_loss_type,
         )
-        mini_batch_size = mini_batch_size or rows
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + self._update_calls)
-        self._update_calls += 1
-        history: list[dict[str, float]] = []
-        for _ in range(ppo_epochs):
-            order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
-            for start in range(0, rows, mini_batch_size):
-                mini = {key: value[order[start : start + mini_batch_size]] for key, value in data.items()}
-                micro = self._micro_batches(mini, micro_batch_size, max_tokens_per_microbatch)
-                history.append(self._ppo_mini_batch(train, mini, micro, response_length, temperature, ppo))
-        return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+        return self._epochs_of_mini_batches(
+            data,
+            ppo_epochs=ppo_epochs,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            shuffle=shuffle,
+            seed=seed,
+            step=lambda mini, micro: self._ppo_mini_batch(train, mini, micro, response_length, temperature, ppo),
+        )
 
     def _ppo_mini_batch(
         self,
@@ -331,20 +300,4 @@ class PolicyEngine:
         Loadable at any parallel layout; `export_checkpoint` turns it into an HF checkpoint.
         `tokenizer_path` overrides the one given at construction.
         """
-        cpu_compat.install()
-        return checkpoint.save_checkpoint(
-            self.model,
-            self.train,
-            ckpt_dir,
-            hf_config=self.hf_config,
-            tokenizer_path=tokenizer_path or self.tokenizer_path,
-            engine_state={"update_calls": self._update_calls},
-        )
-
-    def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool = True) -> None:
-        """Load a checkpoint saved at any layout; collective. `load_optimizer=False` restores
-        only the weights (the optimizer and LR schedule keep their current state)."""
-        cpu_compat.install()
-        engine_state = checkpoint.load_checkpoint(self.model, self.train, ckpt_dir, load_optimizer=load_optimizer)
-        if load_optimizer:
-            self._update_calls = int(engine_state.get("update_calls", self._update_calls))
+        return self._save_checkpoint(ckpt_dir, tokenizer_path=tokenizer_path or self.tokenizer_path)

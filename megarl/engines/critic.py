@@ -20,16 +20,11 @@ from pathlib import Path
 import torch
 
 from megarl.algorithms.losses import value_loss
-from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights
+from megarl.engines import cpu_compat, gpt, hf_weights
+from megarl.engines.engine_base import MegatronEngine
 from megarl.engines.losses import dp_sum, loss_scale
 from megarl.engines.optim import TrainState, build_train_state
-from megarl.engines.schedule import (
-    MicroBatches,
-    broadcast_from_last_stage,
-    is_output_stage,
-    make_micro_batches,
-    run_schedule,
-)
+from megarl.engines.schedule import MicroBatches, broadcast_from_last_stage, is_output_stage, run_schedule
 
 Tensor = torch.Tensor
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac")
@@ -83,7 +78,7 @@ def _reduce_critic_metrics(outputs: list[dict]) -> dict[str, float]:
     return {"critic/vf_loss": float(total[0]), "critic/vf_clipfrac": float(total[1]) / max(float(total[2]), 1.0)}
 
 
-class ValueEngine:
+class ValueEngine(MegatronEngine):
     """One rank of a Megatron value model: values, PPO value updates, HF backbone weights in."""
 
     def __init__(
@@ -153,24 +148,6 @@ class ValueEngine:
         head = getattr(self.model.chunks[-1], "output_layer", None)
         return head if isinstance(head, gpt.ValueHead) else None
 
-    @property
-    def _chunks(self) -> list[torch.nn.Module]:
-        return self.train.ddp_chunks
-
-    def _set_mode(self, training: bool) -> None:
-        for chunk in self._chunks:
-            chunk.train(training)
-
-    def _micro_batches(
-        self, batch: dict[str, Tensor], micro_batch_size: int, max_tokens_per_microbatch: int | None
-    ) -> MicroBatches:
-        return make_micro_batches(
-            batch,
-            micro_batch_size=micro_batch_size,
-            max_tokens_per_microbatch=max_tokens_per_microbatch,
-            num_chunks=len(self._chunks),
-        )
-
     # ------------------------------------------------------------------ inference
 
     def compute_values(
@@ -188,19 +165,18 @@ class ValueEngine:
         Values at response padding positions are meaningless (mask them).
         """
         cpu_compat.install()
-        self._set_mode(False)
-        rows = input_ids.shape[0]
 
         def loss_fn(mb, output):
             values = response_values(mb, output, response_length=response_length)
             return output.new_zeros(()), {"values": values.cpu()}
 
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        micro = self._micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
-        with torch.no_grad():
-            outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=True)
-        values = micro.scatter_rows([o["values"] for o in outputs], rows) if is_output_stage() else None
-        return broadcast_from_last_stage(values, (rows, response_length))
+        return self._forward_rows(
+            {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+            micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            loss_fn=loss_fn,
+            shapes={"values": (input_ids.shape[0], response_length)},
+        )["values"]
 
     # ------------------------------------------------------------------ training
 
@@ -229,8 +205,7 @@ class ValueEngine:
         Returns the mean over mini-batches of critic/{vf_loss, vf_clipfrac, grad_norm, lr}.
         """
         cpu_compat.install()
-        self._set_mode(True)
-        rows, response_length = response_mask.shape
+        response_length = response_mask.shape[1]
         data = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -242,17 +217,16 @@ class ValueEngine:
         loss_settings = dict(
             response_length=response_length, cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode
         )
-        mini_batch_size = mini_batch_size or rows
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + self._update_calls)
-        self._update_calls += 1
-        history: list[dict[str, float]] = []
-        for _ in range(ppo_epochs):
-            order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
-            for start in range(0, rows, mini_batch_size):
-                mini = {key: value[order[start : start + mini_batch_size]] for key, value in data.items()}
-                micro = self._micro_batches(mini, micro_batch_size, max_tokens_per_microbatch)
-                history.append(self._value_mini_batch(mini, micro, loss_settings))
-        return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+        return self._epochs_of_mini_batches(
+            data,
+            ppo_epochs=ppo_epochs,
+            mini_batch_size=mini_batch_size,
+            micro_batch_size=micro_batch_size,
+            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            shuffle=shuffle,
+            seed=seed,
+            step=lambda mini, micro: self._value_mini_batch(mini, micro, loss_settings),
+        )
 
     def _value_mini_batch(self, mini: dict[str, Tensor], micro: MicroBatches, loss_settings: dict) -> dict[str, float]:
         tokens, seqs = dp_sum([mini["response_mask"].sum().item(), mini["response_mask"].shape[0]]).tolist()
@@ -279,19 +253,4 @@ class ValueEngine:
 
     def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
         """Save weights, optimizer and LR schedule to `ckpt_dir`; collective (see `checkpoint`)."""
-        cpu_compat.install()
-        return checkpoint.save_checkpoint(
-            self.model,
-            self.train,
-            ckpt_dir,
-            hf_config=self.hf_config,
-            tokenizer_path=None,
-            engine_state={"update_calls": self._update_calls},
-        )
-
-    def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool = True) -> None:
-        """Load a checkpoint written by `save_checkpoint`; collective."""
-        cpu_compat.install()
-        engine_state = checkpoint.load_checkpoint(self.model, self.train, ckpt_dir, load_optimizer=load_optimizer)
-        if load_optimizer:
-            self._update_calls = int(engine_state.get("update_calls", self._update_calls))
+        return self._save_checkpoint(ckpt_dir, tokenizer_path=None)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megarl.rollout.client import RolloutClient
 from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.plan import Bucket
-from megarl.weightsync.session import WeightSyncError, call_servers
+from megarl.weightsync.session import WeightSyncError, call_servers, server_tp_sizes
 from megarl.weightsync.update_group import POLL_S, destroy_update_group, init_update_group
 
 Tensor = torch.Tensor
@@ -69,8 +69,7 @@ class DistributedTransport:
         if pp_rank in self._groups:
             return
         urls = self.client.urls
-        infos = call_servers(self.client, "GET", "/server_info", phase=f"distributed transport set-up, PP stage {pp_rank}")
-        tp_sizes = [int(info.get("tp_size", 1)) if isinstance(info, dict) else 1 for info in infos]
+        tp_sizes = server_tp_sizes(self.client, phase=f"distributed transport set-up, PP stage {pp_rank}")
         name = f"{self.group_prefix}_pp{pp_rank}"
         group = init_update_group(self.client, urls=urls, tp_sizes=tp_sizes, master_address=_master_address(urls),
                                   master_port=_free_port(), group_name=name, backend=self.backend,

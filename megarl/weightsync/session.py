@@ -67,6 +67,12 @@ def call_servers(client: RolloutClient, method: str, endpoint: str, bodies: list
     return replies
 
 
+def server_tp_sizes(client: RolloutClient, *, phase: str) -> list[int]:
+    """Each server's TP size, from `/server_info` (a server that does not say has 1)."""
+    infos = call_servers(client, "GET", "/server_info", phase=phase)
+    return [int(info.get("tp_size", 1)) if isinstance(info, dict) else 1 for info in infos]
+
+
 class UpdateSession:
     """Rank 0's side of one sync on every server: open, then publish the version and close (or abort)."""
 

@@ -20,7 +20,7 @@ from megarl.rollout.client import RolloutClient
 from megarl.rollout.tensor_transport import FlattenedTensorMetadata
 from megarl.weightsync.buffers import BufferRing, share_handle
 from megarl.weightsync.plan import Bucket
-from megarl.weightsync.session import call_servers
+from megarl.weightsync.session import call_servers, server_tp_sizes
 
 Tensor = torch.Tensor
 
@@ -42,8 +42,7 @@ class TensorTransport:
 
     def start_stage(self, pp_rank: int, *, weight_version: str) -> None:
         if self._tp_sizes is None:
-            infos = call_servers(self.client, "GET", "/server_info", phase=f"tensor transport set-up, PP stage {pp_rank}")
-            self._tp_sizes = [int(info.get("tp_size", 1)) if isinstance(info, dict) else 1 for info in infos]
+            self._tp_sizes = server_tp_sizes(self.client, phase=f"tensor transport set-up, PP stage {pp_rank}")
 
     def send(self, bucket: Bucket, flat: Tensor, *, last: bool) -> None:
         metadata = [
