@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from megarl.engines import cpu_compat, gpt, hf_weights
-from megarl.engines.engine_base import MegatronEngine
+from megarl.engines.engine_base import MegatronEngine, global_normalisers
 from megarl.engines.losses import (
     PPOSettings,
     dp_sum,
@@ -221,19 +221,16 @@ class PolicyEngine(MegatronEngine):
         ppo: PPOSettings,
     ) -> dict[str, float]:
         """One optimizer step on one mini-batch; its metrics (same on every rank)."""
-        tokens, seqs = dp_sum([mini["response_mask"].sum().item(), mini["response_mask"].shape[0]]).tolist()
         loss_fn = functools.partial(
             ppo_loss,
             model=self.model,
             response_length=response_length,
             temperature=temperature,
             scale=loss_scale(len(micro)),
-            normalisers={"global_tokens": max(tokens, 1.0), "global_seqs": max(seqs, 1.0)},
+            normalisers=global_normalisers(mini["response_mask"]),
             ppo=ppo,
         )
-        train.zero_grad()
-        outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=False)
-        grad_norm, lr = train.step()
+        outputs, grad_norm, lr = self._optimizer_step(train, micro, loss_fn)
         return {**reduce_ppo_metrics(outputs, with_kl=ppo.use_kl_loss), "actor/grad_norm": grad_norm, "actor/lr": lr}
 
     def sft_step(

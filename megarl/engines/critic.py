@@ -21,10 +21,10 @@ import torch
 
 from megarl.algorithms.losses import value_loss
 from megarl.engines import cpu_compat, gpt, hf_weights
-from megarl.engines.engine_base import MegatronEngine
+from megarl.engines.engine_base import MegatronEngine, global_normalisers
 from megarl.engines.losses import dp_sum, loss_scale
 from megarl.engines.optim import TrainState, build_train_state
-from megarl.engines.schedule import MicroBatches, broadcast_from_last_stage, is_output_stage, run_schedule
+from megarl.engines.schedule import MicroBatches, broadcast_from_last_stage, is_output_stage
 
 Tensor = torch.Tensor
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac")
@@ -229,16 +229,13 @@ class ValueEngine(MegatronEngine):
         )
 
     def _value_mini_batch(self, mini: dict[str, Tensor], micro: MicroBatches, loss_settings: dict) -> dict[str, float]:
-        tokens, seqs = dp_sum([mini["response_mask"].sum().item(), mini["response_mask"].shape[0]]).tolist()
         loss_fn = functools.partial(
             critic_loss,
             scale=loss_scale(len(micro)),
-            normalisers={"global_tokens": max(tokens, 1.0), "global_seqs": max(seqs, 1.0)},
+            normalisers=global_normalisers(mini["response_mask"]),
             **loss_settings,
         )
-        self.train.zero_grad()
-        outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=False)
-        grad_norm, lr = self.train.step()
+        outputs, grad_norm, lr = self._optimizer_step(self.train, micro, loss_fn)
         return {**_reduce_critic_metrics(outputs), "critic/grad_norm": grad_norm, "critic/lr": lr}
 
     # ------------------------------------------------------------------ weights

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megarl.engines import checkpoint, cpu_compat
+from megarl.engines.losses import dp_sum
 from megarl.engines.optim import TrainState
 from megarl.engines.schedule import (
     MicroBatches,
@@ -24,6 +25,13 @@ from megarl.engines.schedule import (
 )
 
 Tensor = torch.Tensor
+
+
+def global_normalisers(response_mask: Tensor) -> dict[str, float]:
+    """A mini-batch's response tokens and sequences summed over DP: what its losses divide by, so the
+    gradient does not depend on how the rows are split into micro-batches or over ranks."""
+    tokens, seqs = dp_sum([response_mask.sum().item(), response_mask.shape[0]]).tolist()
+    return {"global_tokens": max(tokens, 1.0), "global_seqs": max(seqs, 1.0)}
 
 
 class MegatronEngine:
@@ -96,6 +104,13 @@ class MegatronEngine:
                 mini = {key: value[order[start : start + mini_batch_size]] for key, value in data.items()}
                 history.append(step(mini, self._micro_batches(mini, micro_batch_size, max_tokens_per_microbatch)))
         return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+
+    def _optimizer_step(self, train: TrainState, micro: MicroBatches, loss_fn: Callable) -> tuple[list, float, float]:
+        """Forward and backward over `micro`, one optimizer step: (the loss_fn outputs, grad norm, lr)."""
+        train.zero_grad()
+        outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=False)
+        grad_norm, lr = train.step()
+        return outputs, grad_norm, lr
 
     def _save_checkpoint(self, ckpt_dir: str | Path, *, tokenizer_path: str | None) -> Path:
         cpu_compat.install()
