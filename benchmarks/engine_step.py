@@ -23,7 +23,6 @@ import math
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megarl.ports import free_port
 LAYOUTS = {"tp1 (dp2)": dict(tp=1, pp=1), "tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2)}
 WORLD_SIZE = 2
 
@@ -135,16 +135,10 @@ def _rank(rank: int, port: int, layout: dict, args: argparse.Namespace, out_dir:
     destroy_distributed()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_layout(layout: dict, args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="megarl-bench-") as out_dir:
         mp.start_processes(
-            _rank, args=(_free_port(), layout, args, out_dir), nprocs=WORLD_SIZE, join=True, start_method="spawn"
+            _rank, args=(free_port(), layout, args, out_dir), nprocs=WORLD_SIZE, join=True, start_method="spawn"
         )
         return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
 

@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import struct
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.ports import free_port
 from megarl.models import arch_from_hf, hf_param_shapes
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.server import start_cpu_engine
@@ -107,12 +107,6 @@ def two_copies_seconds(nbytes: int, workdir: Path) -> float:
     barrier = torch.multiprocessing.get_context("spawn").Barrier(2)
     run_processes(concurrent_copy_rank, [(rank, nbytes, barrier, str(workdir / "copy")) for rank in range(2)], 600)
     return max(float((workdir / f"copy.{rank}").read_text()) for rank in range(2))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def gloo_rank(rank: int, port: int, sizes: list[int], out: str) -> None:

@@ -9,7 +9,6 @@ process per rank, each initialises torch.distributed + megatron, calls
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -18,12 +17,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
+from megarl.ports import free_port
 
 def _entry(target, rank: int, world_size: int, port: int, layout: dict, kwargs: dict, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -44,7 +38,7 @@ def run_spawned(target, *, world_size: int = 1, layout: dict | None = None, time
     """`target`'s return value on each rank (rank order). Raises with the child's traceback on failure."""
     layout = layout or {"tp": 1, "pp": 1}
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="megarl-engine-test-") as out_dir:
         procs = [
             ctx.Process(target=_entry, args=(target, rank, world_size, port, layout, kwargs, out_dir))

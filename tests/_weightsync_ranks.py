@@ -10,13 +10,13 @@ the child's end of `join()`'s sentinel pipe and keeps it open after the child ex
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
+from megarl.ports import free_port
 from megarl.models import arch_from_hf, hf_param_shapes, hf_to_megatron, shard_for_rank
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.cpu_engine.checksum import tensor_digest
@@ -57,9 +57,7 @@ def reference_digests(hf) -> dict[str, str]:
 
 def spawn_ranks(target, *, world_size: int, out_dir: Path, timeout_s: float, **kwargs) -> list:
     """Run `target(rank=, world_size=, port=, out_dir=, **kwargs)` in `world_size` spawned processes; their results."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_run_rank, args=(target, rank, world_size, port, str(out_dir), kwargs))
              for rank in range(world_size)]

@@ -21,7 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from megarl.rollout.server import ServerStartError, free_port, start_cpu_engine
+from megarl.ports import free_port
+from megarl.rollout.server import ServerStartError, start_cpu_engine
 from megarl.rollout.tensor_transport import serialize_named_tensors
 
 # Every test talks to a server subprocess.

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from megarl.rollout import GenerationResult, RolloutClient, RolloutError, results_to_tensors, start_cpu_engine
 from megarl.rollout.client import SEED_STRIDE
-from megarl.rollout.server import free_port
+from megarl.ports import free_port
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17, 18]]
 

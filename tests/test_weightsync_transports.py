@@ -41,7 +41,8 @@ from megarl.models import arch_from_hf, hf_to_megatron, random_hf_state_dict, sh
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.cpu_engine.checksum import tensor_digest
 from megarl.rollout.cpu_engine.weights import apply_named_tensors, weight_checksums
-from megarl.rollout.server import free_port, start_cpu_engine
+from megarl.ports import free_port
+from megarl.rollout.server import start_cpu_engine
 from megarl.rollout.tensor_transport import deserialize_named_tensors
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncError, WeightSyncer, assemble_bucket
 from megarl.weightsync import build_plan, make_transport

@@ -14,13 +14,8 @@ from typing import Any
 
 import torch
 
+from megarl.ports import free_port
 from megarl.protocol import Batch
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class MegatronWorker:
@@ -32,7 +27,7 @@ class MegatronWorker:
     def master_endpoint(self) -> tuple[str, int]:
         """Called on rank 0: where the other ranks meet it for the process group."""
         host = "127.0.0.1" if self.world_size == 1 or not torch.cuda.is_available() else socket.gethostbyname(socket.gethostname())
-        return host, _free_port()
+        return host, free_port()
 
     def _init_distributed(self, *, master_addr: str, master_port: int, parallel: dict) -> None:
         from megarl.engines.distributed import init_distributed

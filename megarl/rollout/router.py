@@ -20,7 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from megarl.rollout.server import ServerHandle, free_port, spawn_server, wait_healthy
+from megarl.ports import free_port
+from megarl.rollout.server import ServerHandle, spawn_server, wait_healthy
 
 POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 

@@ -14,13 +14,13 @@ otherwise the hosts live in the driver (tests, single-process runs).
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megarl.rollout.server import LOG_TAIL_CHARS, ServerHandle, cpu_engine_command, free_port, spawn_server
+from megarl.ports import free_port, port_is_free
+from megarl.rollout.server import LOG_TAIL_CHARS, ServerHandle, cpu_engine_command, spawn_server
 from megarl.rollout.sglang_launcher import sglang_server_argv
 
 LOOPBACK = "127.0.0.1"
@@ -68,17 +68,6 @@ def current_node_id() -> str | None:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        # Servers bind with SO_REUSEADDR, so connections of a killed server in TIME_WAIT do not block them.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class ServerHost:
@@ -150,7 +139,7 @@ class ServerHost:
         if self.spec.port is not None:
             preferred.append(self.spec.port + self.index)
         for port in preferred:
-            if _port_is_free(self.address, port):
+            if port_is_free(self.address, port):
                 return port
         return free_port(self.address)
 

@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from megarl.ports import free_port
 from megarl.rollout.client import RolloutClient
 from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.plan import Bucket
@@ -72,7 +73,7 @@ class DistributedTransport:
         tp_sizes = server_tp_sizes(self.client, phase=f"distributed transport set-up, PP stage {pp_rank}")
         name = f"{self.group_prefix}_pp{pp_rank}"
         group = init_update_group(self.client, urls=urls, tp_sizes=tp_sizes, master_address=_master_address(urls),
-                                  master_port=_free_port(), group_name=name, backend=self.backend,
+                                  master_port=free_port(""), group_name=name, backend=self.backend,
                                   timeout_s=self.timeout_s)
         self._groups[pp_rank] = (name, group)
 
@@ -141,7 +142,4 @@ def _master_address(urls: list[str]) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
+
