@@ -87,12 +87,17 @@ def _rank(rank: int, port: int, layout: dict, args: argparse.Namespace, out_dir:
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
+    from megarl.config.settings import Batching, OptimizerSettings, PolicyLossSettings, PolicyUpdateSettings
     from megarl.engines.actor import PolicyEngine
     from megarl.engines.distributed import destroy_distributed, init_distributed
     from megarl.engines.schedule import make_micro_batches
 
     init_distributed(rank=rank, world_size=WORLD_SIZE, master_addr="127.0.0.1", master_port=port, **layout)
-    engine = PolicyEngine(hf_config=hf_config(args), weights=None, seed=0, lr=1e-6)
+    optimizer = OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0,
+                                  warmup_steps=0, schedule="constant", min_lr=0.0, total_steps=args.steps)
+    engine = PolicyEngine(hf_config=hf_config(args), weights=None, seed=0, params_dtype=None, optimizer=optimizer)
+    loss = PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+                              entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl")
     batch = gsm8k_like_batch(args.rows, seed=1, vocab=args.vocab)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     shard = {key: value.chunk(dp_size)[dp_rank] for key, value in batch.items()}
@@ -103,22 +108,13 @@ def _rank(rank: int, port: int, layout: dict, args: argparse.Namespace, out_dir:
             inputs, micro_batch_size=args.micro_batch_size, max_tokens_per_microbatch=max_tokens, num_chunks=1
         )
         real, computed = micro.token_counts()
-        step = _median_seconds(
-            lambda: engine.update_policy(
-                micro_batch_size=args.micro_batch_size, max_tokens_per_microbatch=max_tokens, shuffle=False, **shard
-            ),
-            args.steps,
-        )
+        batching = Batching(args.micro_batch_size, max_tokens)
+        update = PolicyUpdateSettings(epochs=1, mini_batch_size=len(shard["input_ids"]), batching=batching,
+                                      shuffle=False, seed=0, temperature=1.0, loss=loss)
+        rows = {**shard, "responses": shard["input_ids"][:, -shard["response_mask"].shape[1] :]}
+        step = _median_seconds(lambda: engine.update(shard, update), args.steps)
         forward = _median_seconds(
-            lambda: engine.compute_log_prob(
-                response_length=shard["response_mask"].shape[1],
-                temperature=1.0,
-                micro_batch_size=args.micro_batch_size,
-                with_entropy=True,
-                max_tokens_per_microbatch=max_tokens,
-                **inputs,
-            ),
-            args.steps,
+            lambda: engine.compute_log_prob(rows, temperature=1.0, with_entropy=True, batching=batching), args.steps
         )
         result[mode] = {
             "real": real,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from _settings import batching, optimizer, policy_update
+
 
 def _hf_config(checkpoint: str) -> dict:
     return json.loads((Path(checkpoint) / "config.json").read_text())
@@ -36,18 +38,30 @@ def full_logits(engine, batch: dict) -> torch.Tensor:
     return broadcast_from_last_stage(logits, (rows, seq, vocab))
 
 
-def gathered_grads(engine) -> dict[str, torch.Tensor]:
-    """The accumulated gradients in HF names, gathered like weights (collective over TP/PP):
-    each parameter's data is swapped for its gradient buffer for the gather, then back."""
+def _gathered_per_param(engine, tensor_of) -> dict[str, torch.Tensor]:
+    """`tensor_of(param)` for every parameter, in HF names, gathered like weights (collective over TP/PP):
+    each parameter's data is swapped for that tensor for the gather, then back."""
     params = [p for chunk in engine.train.ddp_chunks for p in chunk.module.parameters()]
     weights = [p.data for p in params]
     for param in params:
-        param.data = param.main_grad.to(param.dtype)
+        param.data = tensor_of(param).to(param.dtype)
     try:
         return engine.hf_state_dict()
     finally:
         for param, weight in zip(params, weights):
             param.data = weight
+
+
+def gathered_grads(engine) -> dict[str, torch.Tensor]:
+    """The accumulated gradients (DDP main_grad) in HF names."""
+    return _gathered_per_param(engine, lambda param: param.main_grad)
+
+
+def gathered_adam_state(engine, key: str) -> dict[str, torch.Tensor]:
+    """Adam's `key` ("exp_avg" or "exp_avg_sq") per parameter in HF names (an fp32 model: the optimizer's
+    parameters are the model's)."""
+    (optimizer,) = engine.train.torch_optimizers()
+    return _gathered_per_param(engine, lambda param: optimizer.state[param][key])
 
 
 def dp_shard(batch: dict) -> dict:
@@ -62,25 +76,34 @@ def dp_shard(batch: dict) -> dict:
 PACKED_LOG_PROB_TOKENS, PACKED_TRAIN_TOKENS = 12, 16
 
 
-def _model_outputs(checkpoint: str, batch: dict, response_length: int) -> dict:
+def policy_engine(checkpoint: str | None, *, optim=None, seed: int = 0, hf_config: dict | None = None):
+    """A float32 PolicyEngine from an HF checkpoint dir (None: random weights from `seed`); frozen without `optim`."""
     from megarl.engines.actor import PolicyEngine
 
+    return PolicyEngine(hf_config=hf_config or _hf_config(checkpoint), weights=checkpoint, seed=seed,
+                        params_dtype=None, optimizer=optim)
+
+
+def log_prob_rows(batch: dict, response_length: int) -> dict:
+    """The rows a log-prob forward reads: the sequences plus a `responses` tensor of the response width."""
+    rows = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    rows["responses"] = batch["input_ids"][:, batch["input_ids"].shape[1] - response_length :]
+    return rows
+
+
+def _model_outputs(checkpoint: str, batch: dict, response_length: int) -> dict:
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    engine = PolicyEngine(hf_config=_hf_config(checkpoint), weights=checkpoint, lr=0.0, clip_grad=0.0)
-    common = dict(response_length=response_length, **inputs)
-    log_probs, entropy = engine.compute_log_prob(temperature=1.0, micro_batch_size=3, with_entropy=True, **common)
-    log_probs_t, none = engine.compute_log_prob(temperature=0.7, micro_batch_size=4, with_entropy=False, **common)
+    engine = policy_engine(checkpoint, optim=optimizer(lr=0.0))
+    rows = log_prob_rows(batch, response_length)
+    log_probs, entropy = engine.compute_log_prob(rows, temperature=1.0, with_entropy=True, batching=batching(3))
+    log_probs_t, none = engine.compute_log_prob(rows, temperature=0.7, with_entropy=False, batching=batching(4))
     packed_log_probs, packed_entropy = engine.compute_log_prob(
-        temperature=1.0,
-        micro_batch_size=3,
-        with_entropy=True,
-        max_tokens_per_microbatch=PACKED_LOG_PROB_TOKENS,
-        **common,
+        rows, temperature=1.0, with_entropy=True, batching=batching(3, PACKED_LOG_PROB_TOKENS)
     )
     shard = dp_shard({**inputs, "loss_mask": batch["loss_mask"]})
-    sft = engine.sft_step(micro_batch_size=1, **shard)  # lr = 0: the weights stay
+    sft = engine.sft_step(shard, batching=batching(1), lr=0.0)  # lr = 0: the weights stay
     grads = gathered_grads(engine)
-    packed_sft = engine.sft_step(micro_batch_size=1, max_tokens_per_microbatch=PACKED_TRAIN_TOKENS, **shard)
+    packed_sft = engine.sft_step(shard, batching=batching(1, PACKED_TRAIN_TOKENS), lr=0.0)
     return {
         "logits": full_logits(engine, inputs),
         "padded_vocab": engine.model.padded_vocab,
@@ -98,16 +121,12 @@ def _model_outputs(checkpoint: str, batch: dict, response_length: int) -> dict:
 
 
 def _ppo_outputs(checkpoint: str, batch: dict, ppo: dict) -> dict:
-    from megarl.engines.actor import PolicyEngine
-
-    engine = PolicyEngine(hf_config=_hf_config(checkpoint), weights=checkpoint, lr=0.0, clip_grad=0.0)
+    engine = policy_engine(checkpoint, optim=optimizer(lr=0.0))
     keys = ("input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs", "advantages")
     shard = dp_shard({key: batch[key] for key in (*keys, "ref_log_prob")})
-    metrics = engine.update_policy(micro_batch_size=1, shuffle=False, **shard, **ppo)
+    metrics = engine.update(shard, policy_update(micro_batch_size=1, **ppo))
     grads = gathered_grads(engine)
-    packed_metrics = engine.update_policy(
-        micro_batch_size=1, shuffle=False, max_tokens_per_microbatch=PACKED_TRAIN_TOKENS, **shard, **ppo
-    )
+    packed_metrics = engine.update(shard, policy_update(micro_batch_size=1, max_tokens=PACKED_TRAIN_TOKENS, **ppo))
     packed_grads = gathered_grads(engine)
     return {"metrics": metrics, "grads": grads, "packed_metrics": packed_metrics, "packed_grads": packed_grads}
 
@@ -155,60 +174,56 @@ def _hf_grads(engine) -> dict[str, torch.Tensor]:
 
 def actor_outputs(*, rank: int, checkpoint: str, batch: dict, ppo: dict, sft_batch: dict, other_weights: dict) -> dict:
     """Everything the actor tests assert on, from one process (three engines)."""
-    from megarl.engines.actor import PolicyEngine
-
-    hf_config = _hf_config(checkpoint)
     out: dict = {}
-    lp_inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     response_length = batch["response_mask"].shape[1]
+    lp_rows = log_prob_rows(batch, response_length)
 
-    reference = PolicyEngine(hf_config=hf_config, weights=checkpoint, trainable=False)
+    reference = policy_engine(checkpoint)
     out["ref_requires_grad"] = any(p.requires_grad for c in reference.model.chunks for p in c.parameters())
-    out["ref_lp_before"], _ = reference.compute_log_prob(
-        response_length=response_length, temperature=1.0, micro_batch_size=4, with_entropy=False, **lp_inputs
-    )
+    out["ref_lp_before"], _ = reference.compute_log_prob(lp_rows, temperature=1.0, with_entropy=False,
+                                                         batching=batching(4))
 
     # Gradients at fixed weights (lr = 0): one micro-batch, two, and an uneven split with padding.
-    grad_engine = PolicyEngine(hf_config=hf_config, weights=checkpoint, lr=0.0, clip_grad=0.0)
+    grad_engine = policy_engine(checkpoint, optim=optimizer(lr=0.0))
     rows = batch["input_ids"].shape[0]
     for label, micro in (("grads_1mb", rows), ("grads_2mb", rows // 2), ("grads_uneven", 4)):
-        metrics = grad_engine.update_policy(micro_batch_size=micro, shuffle=False, **batch, **ppo)
+        metrics = grad_engine.update(batch, policy_update(micro_batch_size=micro, **ppo))
         out[label] = _hf_grads(grad_engine)
         out[label + "_metrics"] = metrics
 
-    out["sft_loss_at_checkpoint"] = grad_engine.sft_step(micro_batch_size=4, **sft_batch)["sft/loss"]
+    out["sft_loss_at_checkpoint"] = grad_engine.sft_step(sft_batch, batching=batching(4), lr=0.0)["sft/loss"]
 
     # One real update on the same batch.
-    actor = PolicyEngine(hf_config=hf_config, weights=checkpoint, lr=1e-3, clip_grad=1.0)
+    actor = policy_engine(checkpoint, optim=optimizer(lr=1e-3, clip_grad=1.0))
     out["weights_before"] = actor.hf_state_dict()
-    lp0, entropy0 = actor.compute_log_prob(
-        response_length=response_length, temperature=1.0, micro_batch_size=4, with_entropy=True, **lp_inputs
-    )
+    lp0, entropy0 = actor.compute_log_prob(lp_rows, temperature=1.0, with_entropy=True, batching=batching(4))
     update_batch = {**batch, "old_log_probs": lp0}
     out["lp_before"], out["entropy_before"] = lp0, entropy0
     plain_ppo = {**ppo, "entropy_coeff": 0.0, "use_kl_loss": False}
-    out["update_metrics"] = actor.update_policy(
-        micro_batch_size=4, ppo_epochs=1, shuffle=True, seed=7, **update_batch, **plain_ppo
-    )
-    out["lp_after"], _ = actor.compute_log_prob(
-        response_length=response_length, temperature=1.0, micro_batch_size=4, with_entropy=False, **lp_inputs
-    )
+    out["update_metrics"] = actor.update(update_batch, policy_update(micro_batch_size=4, shuffle=True, seed=7,
+                                                                     **plain_ppo))
+    out["lp_after"], _ = actor.compute_log_prob(lp_rows, temperature=1.0, with_entropy=False, batching=batching(4))
     out["weights_after"] = actor.hf_state_dict()
 
-    out["sft_metrics"] = [actor.sft_step(micro_batch_size=3, lr=1e-2, **sft_batch) for _ in range(5)]
+    out["sft_metrics"] = [actor.sft_step(sft_batch, batching=batching(3), lr=1e-2) for _ in range(5)]
     out["lr_after_sft"] = actor.train.optimizer.param_groups[0]["lr"]
 
     actor.load_hf_state_dict(other_weights)
     out["reloaded"] = actor.hf_state_dict()
 
-    out["ref_lp_after"], _ = reference.compute_log_prob(
-        response_length=response_length, temperature=1.0, micro_batch_size=4, with_entropy=False, **lp_inputs
-    )
+    # The sleep/wake cycle between phases: on a CPU engine the memory is host memory already.
+    reference.offload(weights=True)
+    actor.offload(weights=False)
+    reference.onload()
+    actor.onload()
+    out["reloaded_after_cycle"] = actor.hf_state_dict()
+    out["ref_lp_after"], _ = reference.compute_log_prob(lp_rows, temperature=1.0, with_entropy=False,
+                                                        batching=batching(4))
     out["ref_weights_after"] = reference.hf_state_dict()
     try:
-        reference.update_policy(micro_batch_size=4, **update_batch)
+        reference.update(update_batch, policy_update(micro_batch_size=4))
         out["ref_update_error"] = None
-    except RuntimeError as error:
+    except NotImplementedError as error:
         out["ref_update_error"] = str(error)
     return out
 
@@ -217,39 +232,43 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
     """Train one step at TP2xPP2 and save; continue one step (the reference). Then switch
     the same processes to TP1PP1 (DP4), load the checkpoint into an engine with other
     weights and take the same step, with and without the optimizer state."""
-    from megarl.engines.actor import PolicyEngine
     from megarl.engines.distributed import set_model_parallel
 
     hf_config = _hf_config(checkpoint)
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     keys = ("input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs", "advantages")
-    response_length = batch["response_mask"].shape[1]
+    lp_rows = log_prob_rows(batch, batch["response_mask"].shape[1])
 
     def step(engine) -> dict:
-        return engine.update_policy(micro_batch_size=2, shuffle=False, **dp_shard({k: batch[k] for k in keys}), **ppo)
+        return engine.update(dp_shard({k: batch[k] for k in keys}), policy_update(micro_batch_size=2, **ppo))
 
     def eval_log_probs(engine):
-        return engine.compute_log_prob(
-            response_length=response_length, temperature=1.0, micro_batch_size=4, with_entropy=False, **inputs
-        )[0]
+        return engine.compute_log_prob(lp_rows, temperature=1.0, with_entropy=False, batching=batching(4))[0]
 
     out: dict = {}
     set_model_parallel(tp=2, pp=2)
-    engine = PolicyEngine(hf_config=hf_config, weights=checkpoint, **train)
+    engine = policy_engine(checkpoint, optim=optimizer(**train))
     out["metrics_1"] = step(engine)
     engine.save_checkpoint(ckpt_dir)
     out["saved_weights"], out["saved_log_probs"] = engine.hf_state_dict(), eval_log_probs(engine)
     out["saved_logits"] = full_logits(engine, inputs)
+    out["saved_moments"] = {key: gathered_adam_state(engine, key) for key in ("exp_avg", "exp_avg_sq")}
     out["metrics_2"] = step(engine)
     out["continued_weights"] = engine.hf_state_dict()
+    out["continued_grads"] = gathered_grads(engine)
+    out["continued_exp_avg_sq"] = gathered_adam_state(engine, "exp_avg_sq")
 
     set_model_parallel(tp=1, pp=1)
     for label, load_optimizer in (("resumed", True), ("weights_only", False)):
-        resumed = PolicyEngine(hf_config=hf_config, weights=None, seed=99, **train)
+        resumed = policy_engine(None, optim=optimizer(**train), seed=99, hf_config=hf_config)
         resumed.load_checkpoint(ckpt_dir, load_optimizer=load_optimizer)
+        out[f"{label}_loaded_weights"] = resumed.hf_state_dict()
+        if load_optimizer:
+            out["loaded_moments"] = {key: gathered_adam_state(resumed, key) for key in ("exp_avg", "exp_avg_sq")}
         out[f"{label}_log_probs"] = eval_log_probs(resumed)
         out[f"{label}_metrics"] = step(resumed)
         out[f"{label}_weights"] = resumed.hf_state_dict()
+        out[f"{label}_grads"] = gathered_grads(resumed)
     return out
 
 
@@ -259,26 +278,25 @@ def moe_outputs(
     """The matrix outputs of MoE checkpoints per layout (switched in place), plus the gathered HF
     weights; the first checkpoint is also saved at the first layout with EP > 1 and loaded
     back at every later layout (its log-probs then)."""
-    from megarl.engines.actor import PolicyEngine
     from megarl.engines.distributed import parallel_layout, set_model_parallel
 
     first = next(iter(checkpoints.values()))
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    lp_args = dict(response_length=response_length, temperature=1.0, micro_batch_size=4, with_entropy=False, **inputs)
+    lp_rows = log_prob_rows(batch, response_length)
     results, saved = {}, False
     for layout_name, parallel in layouts.items():
         set_model_parallel(**parallel)
         out = {"where": parallel_layout()}
         for name, checkpoint in checkpoints.items():
             out[name] = _model_outputs(checkpoint, batch, response_length)
-        engine = PolicyEngine(hf_config=_hf_config(first), weights=first, trainable=False)
+        engine = policy_engine(first)
         out["weights"] = engine.hf_state_dict()
         if saved:
-            engine = PolicyEngine(hf_config=_hf_config(first), weights=None, seed=5, lr=0.0)
-            engine.load_checkpoint(ckpt_dir)
-            out["loaded_log_probs"] = engine.compute_log_prob(**lp_args)[0]
+            engine = policy_engine(None, optim=optimizer(lr=0.0), seed=5, hf_config=_hf_config(first))
+            engine.load_checkpoint(ckpt_dir, load_optimizer=True)
+            out["loaded_log_probs"] = engine.compute_log_prob(lp_rows, temperature=1.0, with_entropy=False,
+                                                              batching=batching(4))[0]
         elif parallel.get("ep", 1) > 1:
-            PolicyEngine(hf_config=_hf_config(first), weights=first, lr=0.0).save_checkpoint(ckpt_dir)
+            policy_engine(first, optim=optimizer(lr=0.0)).save_checkpoint(ckpt_dir)
             saved = True
         results[layout_name] = out
     return results

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from _engine_workers import policy_engine
+from megarl.config.settings import WeightSyncSettings
 from megarl.ports import free_port
 from megarl.models import arch_from_hf, hf_param_shapes, hf_to_megatron, shard_for_rank
 from megarl.rollout.client import RolloutClient
@@ -128,25 +130,22 @@ def megatron_worker_pushes(*, rank: int, world_size: int, port: int, checkpoint:
 
     Returns, on trainer rank 0, each push's metrics, the server's digests and reported version after it.
     """
-    import json
-
     from megarl.controller.engine_worker import MegatronWorker
-    from megarl.engines.actor import PolicyEngine
     from megarl.engines.distributed import destroy_distributed, init_distributed
 
     init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=2, pp=2)
     worker = MegatronWorker(rank=rank, world_size=world_size)
-    hf_config = json.loads((Path(checkpoint) / "config.json").read_text())
-    worker.engine = PolicyEngine(hf_config=hf_config, weights=checkpoint, trainable=False)
+    worker.engine = policy_engine(checkpoint)
     client = RolloutClient([url], api_key=API_KEY, timeout_s=60) if rank == 0 else None
     results = {}
-    for version, options in enumerate([dict(transport="distributed", verify="checksum"),
-                                       dict(transport="distributed", verify="checksum"),  # groups reused
-                                       dict(transport="disk", disk_dir=disk_dir, verify="checksum"),
-                                       dict(transport="tensor"),
-                                       dict()]):  # the default transport (tensor)
-        metrics = worker.push_weights(urls=[url], api_key=API_KEY, version=version, bucket_mb=0.05, timeout_s=60,
-                                      **options)
+    for version, (transport, verify) in enumerate([("distributed", "checksum"),
+                                                   ("distributed", "checksum"),  # groups reused
+                                                   ("disk", "checksum"),
+                                                   ("tensor", "checksum"),
+                                                   ("tensor", "none")]):
+        settings = WeightSyncSettings(transport=transport, bucket_mb=0.05, verify=verify, timeout_s=60,
+                                      disk_dir=disk_dir)
+        metrics = worker.push_weights(urls=[url], api_key=API_KEY, version=version, settings=settings)
         if rank == 0:
             results[version] = (metrics, server_digests(client), client.model_info()[0]["weight_version"])
     worker.close_weight_sync()
@@ -161,19 +160,16 @@ def megatron_moe_ep_push(*, rank: int, world_size: int, port: int, checkpoint: s
 
     Returns, on trainer rank 0, the push's metrics and the server's digests after it.
     """
-    import json
-
     from megarl.controller.engine_worker import MegatronWorker
-    from megarl.engines.actor import PolicyEngine
     from megarl.engines.distributed import destroy_distributed, init_distributed
 
     init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=1, pp=1,
                      ep=world_size)
     worker = MegatronWorker(rank=rank, world_size=world_size)
-    hf_config = json.loads((Path(checkpoint) / "config.json").read_text())
-    worker.engine = PolicyEngine(hf_config=hf_config, weights=checkpoint, trainable=False)
-    metrics = worker.push_weights(urls=[url], api_key=API_KEY, version="ep", bucket_mb=0.05, timeout_s=60,
-                                  transport="tensor", verify="checksum")
+    worker.engine = policy_engine(checkpoint)
+    settings = WeightSyncSettings(transport="tensor", bucket_mb=0.05, verify="checksum", timeout_s=60,
+                                  disk_dir="unused")
+    metrics = worker.push_weights(urls=[url], api_key=API_KEY, version="ep", settings=settings)
     digests = None
     if rank == 0:
         with RolloutClient([url], api_key=API_KEY, timeout_s=60) as client:

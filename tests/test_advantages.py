@@ -13,17 +13,16 @@ import pytest
 import torch
 
 from megarl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
+    estimate_advantages,
+    estimator,
     gae,
-    get_advantage_estimator,
     grpo,
-    needs_critic,
-    needs_groups,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     rloo,
 )
 from megarl.algorithms.masked import masked_mean, masked_var, masked_whiten
+from megarl.registry import ADVANTAGE_ESTIMATORS
 
 # ---------------------------------------------------------------- references
 
@@ -257,16 +256,36 @@ def test_reinforce_plus_plus_baseline_matches_reference():
 # ---------------------------------------------------------------- registry and imports
 
 
-def test_registry_names_and_traits():
+def test_registry_names_and_traits_come_from_the_signatures():
     names = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
     assert set(ADVANTAGE_ESTIMATORS) == names
-    assert get_advantage_estimator("grpo") is grpo
-    assert [n for n in sorted(names) if needs_critic(n)] == ["gae"]
-    assert {n for n in names if needs_groups(n)} == {"grpo", "rloo", "reinforce_plus_plus_baseline"}
+    assert ADVANTAGE_ESTIMATORS.get("grpo").target is grpo
+    assert [n for n in sorted(names) if ADVANTAGE_ESTIMATORS.get(n).needs_critic] == ["gae"]
+    assert {n for n in names if ADVANTAGE_ESTIMATORS.get(n).needs_groups} == {
+        "grpo", "rloo", "reinforce_plus_plus_baseline"}
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; known: gae, grpo"):
-        get_advantage_estimator("ppo")
-    with pytest.raises(ValueError, match="known"):
-        needs_critic("ppo")
+        ADVANTAGE_ESTIMATORS.get("ppo")
+
+
+def test_estimate_advantages_passes_each_estimator_only_what_it_declares():
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
+    mask = torch.ones(4, 2)
+    inputs = dict(token_level_rewards=rewards, response_mask=mask, index=np.array(["p", "p", "q", "q"]),
+                  gamma=0.9, lam=0.8, norm_by_std=False, values=torch.ones(4, 2))
+    assert torch.equal(estimate_advantages("grpo", **inputs)[0], grpo(rewards, mask, inputs["index"],
+                                                                      norm_by_std=False)[0])
+    assert torch.equal(estimate_advantages("gae", **inputs)[1], gae(rewards, inputs["values"], mask, 0.9, 0.8)[1])
+    del inputs["values"]
+    with pytest.raises(ValueError, match=r"'gae' needs \['values'\]"):
+        estimate_advantages("gae", **inputs)
+
+
+def test_an_estimator_with_an_unknown_input_is_refused_at_registration():
+    with pytest.raises(TypeError, match=r"parameters \['critic_values'\] are not inputs"):
+        @estimator("broken")
+        def broken(token_level_rewards, critic_values):  # noqa: ARG001 - never called
+            raise AssertionError
+    assert "broken" not in ADVANTAGE_ESTIMATORS
 
 
 def test_import_does_not_load_heavy_dependencies():

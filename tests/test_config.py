@@ -387,7 +387,7 @@ BAD_RULES = [
     (["critic=null"], "critic: adv_estimator 'gae' needs a critic section (got None)"),
     (
         ["algorithm.adv_estimator=grpo", "rollout.n=2"],
-        "critic: adv_estimator 'grpo' uses no critic; remove the section or use 'gae' (got a critic section)",
+        "critic: adv_estimator 'grpo' uses no critic; remove the section or use one that does ('gae') (got a critic section)",
     ),
     (
         ["algorithm.adv_estimator=grpo", "critic=null"],
@@ -568,3 +568,13 @@ def test_importing_config_pulls_no_heavy_dependencies() -> None:
     code = f"import sys, megarl.config; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_throughput_counts_every_device_of_the_placement(cluster: Path) -> None:
+    """perf/throughput divides by all devices the run holds, not the actor's pool (no Ray needed to plan)."""
+    from megarl.controller.placement import plan_pools, total_devices
+
+    disaggregated = plan_pools(load_recipe(cluster, [*DISAGGREGATED, "rollout.num_servers=2"]))
+    assert disaggregated["actor"].world_size == 8 and total_devices(disaggregated) == 16
+    colocated = plan_pools(load_recipe(cluster))
+    assert total_devices(colocated) == 16 and len(set(colocated.values())) == 1

@@ -35,7 +35,6 @@ METRICS = {
     "actor/pg_clipfrac",
     "actor/ppo_kl",
     "actor/pg_clipfrac_lower",
-    "actor/entropy",
     "actor/grad_norm",
     "actor/lr",
 }
@@ -157,9 +156,6 @@ def test_update_changes_weights_and_reduces_the_surrogate(setup):
         -(batch["advantages"] * mask).sum().item() / mask.sum().item(), abs=1e-5
     )
     assert metrics["actor/pg_clipfrac"] == 0.0 and abs(metrics["actor/ppo_kl"]) < 1e-6
-    assert metrics["actor/entropy"] == pytest.approx(
-        ((out["entropy_before"] * mask).sum() / mask.sum()).item(), abs=1e-5
-    )
     assert metrics["actor/lr"] == pytest.approx(1e-3) and metrics["actor/grad_norm"] > 0
     changed = [name for name, w in out["weights_before"].items() if not torch.equal(w, out["weights_after"][name])]
     assert len(changed) == len(out["weights_before"])
@@ -192,6 +188,7 @@ def test_hf_state_dict_round_trip_after_load(setup):
     assert set(out["reloaded"]) == set(other)
     for name, tensor in other.items():
         assert torch.equal(out["reloaded"][name], tensor), name
+        assert torch.equal(out["reloaded_after_cycle"][name], tensor), name  # offload + onload kept them
 
 
 def test_reference_never_changes(setup):
@@ -200,4 +197,4 @@ def test_reference_never_changes(setup):
     assert torch.equal(out["ref_lp_before"], out["ref_lp_after"])
     for name, tensor in out["ref_weights_after"].items():
         assert torch.equal(tensor, model.state_dict()[name]), name
-    assert "trainable=False" in out["ref_update_error"]
+    assert "PolicyEngine (frozen) has no optimizer" in out["ref_update_error"]

@@ -14,12 +14,13 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from _engine_spawn import run_spawned
+from _engine_workers import log_prob_rows
+from _settings import batching, optimizer, value_update
 
 pytestmark = pytest.mark.dist
 
 PROMPT, RESPONSE, ROWS = 5, 6, 6
-UPDATE = dict(ppo_epochs=1, micro_batch_size=2, shuffle=False, seed=0, cliprange_value=0.5,
-              loss_agg_mode="token-mean")
+UPDATE = dict(epochs=1, micro_batch_size=2, shuffle=False, seed=0, cliprange_value=0.5, loss_agg_mode="token-mean")
 
 
 def _hf_model():
@@ -57,24 +58,24 @@ def _batch() -> dict:
 def critic_job(*, rank: int, hf_config: dict, weights: dict, batch: dict, ckpt_dir: str | None = None) -> dict:
     from megarl.engines.critic import ValueEngine
 
-    engine = ValueEngine(hf_config=hf_config, weights=weights, seed=1, head_init_std=0.1, lr=1e-3,
-                         params_dtype="float32")
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    values = engine.compute_values(**inputs, response_length=RESPONSE, micro_batch_size=4)
-    packed = engine.compute_values(**inputs, response_length=RESPONSE, micro_batch_size=4,
-                                   max_tokens_per_microbatch=20)
+    engine = ValueEngine(hf_config=hf_config, weights=weights, seed=1, head_init_std=0.1, params_dtype="float32",
+                         optimizer=optimizer(lr=1e-3, clip_grad=1.0))
+    rows = log_prob_rows(batch, RESPONSE)
+    values = engine.compute_values(rows, batching=batching(4))
+    packed = engine.compute_values(rows, batching=batching(4, 20))
     head = engine.value_head
     head = None if head is None else (head.weight.detach().clone(), head.bias.detach().clone())
-    update = dict(**inputs, response_mask=batch["response_mask"], values=values, returns=batch["returns"], **UPDATE)
-    first = engine.update_critic(**update)
-    second = engine.update_critic(**update)
+    update = dict(rows, response_mask=batch["response_mask"], values=values, returns=batch["returns"])
+    first = engine.update(update, value_update(**UPDATE))
+    second = engine.update(update, value_update(**UPDATE))
     restored = None
     if ckpt_dir is not None:  # a fresh engine (other seed) loads the trained critic from a checkpoint
         engine.save_checkpoint(ckpt_dir)
-        fresh = ValueEngine(hf_config=hf_config, weights=None, seed=9, params_dtype="float32")
-        fresh.load_checkpoint(ckpt_dir)
-        restored = (engine.compute_values(**inputs, response_length=RESPONSE, micro_batch_size=4),
-                    fresh.compute_values(**inputs, response_length=RESPONSE, micro_batch_size=4))
+        fresh = ValueEngine(hf_config=hf_config, weights=None, seed=9, params_dtype="float32",
+                            optimizer=optimizer(lr=1e-3, clip_grad=1.0))
+        fresh.load_checkpoint(ckpt_dir, load_optimizer=True)
+        restored = (engine.compute_values(rows, batching=batching(4)),
+                    fresh.compute_values(rows, batching=batching(4)))
     return {
         "restored": restored,
         "values": values,

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from megarl.algorithms.losses import LOSS_AGG_MODES, agg_loss, policy_loss, value_loss
+from megarl.algorithms.losses import agg_loss, policy_loss, value_loss
+from megarl.registry import LOSS_AGG_MODES
 
 # ---------------------------------------------------------------- agg_loss
 
@@ -21,7 +22,7 @@ MASK = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
         ("token-mean", (1 + 2 + 4) / 3),
         ("seq-mean-token-sum", ((1 + 2) + 4) / 2),
         ("seq-mean-token-mean", ((1 + 2) / 2 + 4 / 1) / 2),
-        ("seq-mean-token-sum-norm", (1 + 2 + 4) / 4),
+        ("seq-mean-token-sum-norm", ((1 + 2) / 4 + 4 / 4) / 2),
     ],
 )
 def test_agg_loss_modes_by_hand(mode, expected):
@@ -34,14 +35,52 @@ def test_agg_loss_unknown_mode_names_valid_ones():
     assert set(LOSS_AGG_MODES) == {"token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"}
 
 
+def _agg_reference(loss: list[list[float]], mask: list[list[int]], mode: str) -> float:
+    """DESIGN.md §4 written out per sequence: S = sequences with a valid token, H = the response window."""
+    horizon = len(mask[0])
+    kept = [[value for value, keep in zip(row, row_mask) if keep] for row, row_mask in zip(loss, mask)]
+    non_empty = [row for row in kept if row]
+    if mode == "token-mean":
+        return sum(map(sum, non_empty)) / sum(map(len, non_empty))
+    per_sequence = {
+        "seq-mean-token-sum": [sum(row) for row in non_empty],
+        "seq-mean-token-mean": [sum(row) / len(row) for row in non_empty],
+        "seq-mean-token-sum-norm": [sum(row) / horizon for row in non_empty],
+    }[mode]
+    return sum(per_sequence) / len(per_sequence)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_agg_loss_matches_the_formula_with_empty_sequences(mode):
+    gen = torch.Generator().manual_seed(3)
+    loss = torch.rand(7, 6, generator=gen, dtype=torch.float64)
+    lengths = torch.tensor([6, 0, 2, 0, 5, 1, 3])  # two responses without a token: not in S
+    mask = (torch.arange(6)[None] < lengths[:, None]).int()
+    expected = _agg_reference(loss.tolist(), mask.tolist(), mode)
+    # float64 throughout: the sums of a few numbers in [0, 1) agree to rounding.
+    assert agg_loss(loss, mask, mode).item() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_sequence_modes_do_not_grow_with_the_mini_batch(mode):
+    """Two copies of a mini-batch are the same sample twice: a mean over sequences does not change (Dr.GRPO's
+    loss used to be a token sum over the whole mini-batch, so it doubled)."""
+    gen = torch.Generator().manual_seed(4)
+    loss = torch.rand(5, 6, generator=gen, dtype=torch.float64)
+    mask = (torch.arange(6)[None] < torch.tensor([6, 0, 2, 4, 1])[:, None]).int()
+    once = agg_loss(loss, mask, mode)
+    twice = agg_loss(torch.cat([loss, loss]), torch.cat([mask, mask]), mode)
+    assert twice.item() == pytest.approx(once.item(), rel=1e-12)
+
+
 def test_agg_loss_ignores_nan_in_padding_and_empty_rows():
     dirty = LOSS.clone()
     dirty[0, 3] = float("nan")
     assert agg_loss(dirty, MASK, "token-mean").item() == pytest.approx(7 / 3)
     empty_row = torch.cat([MASK, torch.zeros(1, 4, dtype=MASK.dtype)])
     loss = torch.cat([LOSS, torch.full((1, 4), 100.0)])
-    # An empty sequence counts as a sequence with loss 0 in the seq-mean modes.
-    assert agg_loss(loss, empty_row, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 3)
+    # A sequence without a response token is no sample: the seq-mean modes leave it out.
+    assert agg_loss(loss, empty_row, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 2)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

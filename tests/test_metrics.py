@@ -11,6 +11,7 @@ from megarl.algorithms.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
+    entropy_metric,
     rollout_logprob_diff,
 )
 
@@ -32,6 +33,7 @@ def batch_metrics(values=None):
         response_mask=RESPONSE_MASK,
         prompt_mask=PROMPT_MASK,
         max_response_length=3,
+        max_prompt_length=4,
         values=values,
     )
 
@@ -65,6 +67,29 @@ def test_data_metrics_without_values_has_no_critic_value_keys():
     metrics = batch_metrics()
     assert not any(k.startswith("critic/values") or k == "critic/vf_explained_var" for k in metrics)
     assert len(metrics) == 4 * 3 + 2 * 4
+
+
+def test_prompt_clip_ratio_is_against_the_configured_limit_not_the_widest_prompt():
+    """One of three prompts fills the 4-token window; with max_prompt_length 6 none reaches the limit."""
+    metrics = compute_data_metrics(
+        token_level_scores=SCORES, token_level_rewards=REWARDS, advantages=ADVANTAGES, returns=RETURNS,
+        response_mask=RESPONSE_MASK, prompt_mask=PROMPT_MASK, max_response_length=5, max_prompt_length=6,
+    )
+    assert metrics["prompt_length/clip_ratio"] == 0.0 and metrics["response_length/clip_ratio"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_entropy_metric_is_aggregated_like_the_loss(mode):
+    entropy = torch.tensor([[0.5, 1.0, 1.5], [2.0, 9.0, 9.0], [0.25, 0.75, 9.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    # By hand, over the three sequences with a response token (window H = 3).
+    expected = {
+        "token-mean": (3.0 + 2.0 + 1.0) / 6,
+        "seq-mean-token-sum": (3.0 + 2.0 + 1.0) / 3,
+        "seq-mean-token-mean": (1.0 + 2.0 + 0.5) / 3,
+        "seq-mean-token-sum-norm": (3.0 / 3 + 2.0 / 3 + 1.0 / 3) / 3,
+    }[mode]
+    assert entropy_metric(entropy, mask, mode) == pytest.approx(expected, rel=1e-12)
 
 
 def test_timing_metrics():

@@ -64,3 +64,37 @@ def test_compute_advantage_forks_on_the_estimator():
     assert torch.equal(batch["advantages"], expected_gae) and torch.equal(batch["returns"], returns)
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'"):
         phases.compute_advantage(batch, estimator="ppo2", gamma=1.0, lam=1.0, norm_by_std=True)
+
+
+@pytest.fixture
+def toy_estimator():
+    """A leave-the-group-mean-out estimator, registered for one test through the registry alone."""
+    from megarl.algorithms.advantages import estimator
+    from megarl.registry import ADVANTAGE_ESTIMATORS
+
+    @estimator("toy_group_mean")
+    def toy(token_level_rewards, response_mask, index):
+        scores = token_level_rewards.sum(-1)
+        keys = list(index)
+        means = torch.tensor([scores[[k == key for k in keys]].mean() for key in keys])
+        advantages = (scores - means).unsqueeze(-1) * response_mask
+        return advantages, advantages
+
+    yield "toy_group_mean"
+    ADVANTAGE_ESTIMATORS.remove("toy_group_mean")
+
+
+def test_an_estimator_registered_in_a_test_module_is_usable_from_a_recipe(toy_estimator, tmp_path):
+    from megarl.config import load_recipe
+    from megarl.errors import InputError
+
+    recipe = load_recipe("recipes/quickstart-grpo-cpu.yaml", [f"algorithm.adv_estimator={toy_estimator}"])
+    assert recipe.algorithm.adv_estimator == toy_estimator
+    # Its metadata came from its signature: it reads `index`, so a group of one is refused.
+    with pytest.raises(InputError, match=f"rollout.n: {toy_estimator} compares responses within a group"):
+        load_recipe("recipes/quickstart-grpo-cpu.yaml", [f"algorithm.adv_estimator={toy_estimator}", "rollout.n=1"])
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 3.0], [0.0, 1.0]])
+    batch = Batch.from_dict({"token_level_rewards": rewards, "response_mask": torch.ones(4, 2),
+                             "uid": np.array(["p", "p", "q", "q"], dtype=object)})
+    phases.compute_advantage(batch, estimator=recipe.algorithm.adv_estimator, gamma=1.0, lam=1.0, norm_by_std=True)
+    assert batch["advantages"][:, 0].tolist() == [0.5, -0.5, 1.0, -1.0]

@@ -37,6 +37,8 @@ from _weightsync_ranks import (
 )
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from megarl.config.settings import WeightSyncSettings
+from megarl.engines.protocol import WeightShards
 from megarl.models import arch_from_hf, hf_to_megatron, random_hf_state_dict, shard_for_rank
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.cpu_engine.checksum import tensor_digest
@@ -263,16 +265,6 @@ def test_megatron_worker_pushes_through_every_path(server, tmp_path):
     assert results[0][0][0]["weight_sync/bytes"] == sum(t.numel() * 4 for t in hf.values())
 
 
-class _Chunk:
-    """Stands in for a model chunk: `local_shards` only reads `state_dict()`."""
-
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def state_dict(self):
-        return self.tensors
-
-
 def test_distributed_groups_are_rebuilt_after_a_server_restarts_at_the_same_url(tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(tmp_path / "model")
@@ -284,10 +276,11 @@ def test_distributed_groups_are_rebuilt_after_a_server_restarts_at_the_same_url(
         try:
             hf = trainer_weights(seed)
             local = local_shards(hf, TrainerLayout(), padded_vocab=plan.padded_vocab)
-            metrics = sync.push(chunks=[_Chunk({name: t for (_, name), t in local.items()})], arch=ARCH,
-                                padded_vocab=plan.padded_vocab, coords=RankCoords(), urls=[handle.url],
-                                api_key=API_KEY, version=seed, transport="distributed", bucket_mb=0.05,
-                                verify="checksum", timeout_s=30, disk_dir=None)
+            shards = WeightShards(local, num_chunks=1, arch=ARCH, padded_vocab=plan.padded_vocab)
+            settings = WeightSyncSettings(transport="distributed", bucket_mb=0.05, verify="checksum", timeout_s=30,
+                                          disk_dir=str(tmp_path / "unused"))
+            metrics = sync.push(shards, coords=RankCoords(), urls=[handle.url], api_key=API_KEY, version=seed,
+                                settings=settings)
             assert metrics["weight_sync/bytes"] == plan.nbytes
             with RolloutClient([handle.url], api_key=API_KEY) as client:
                 assert {key: server_digests(client)[key] for key in hf} == reference_digests(hf)

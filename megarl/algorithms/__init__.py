@@ -2,31 +2,29 @@
 
 Tensors in, tensors out, explicit keyword arguments (never a config object),
 shapes in every docstring (`[B, R]` = batch x response length). Names from
-recipes resolve through registries: `ADVANTAGE_ESTIMATORS`, `KL_PENALTIES`,
-`LOSS_AGG_MODES`. Importing this package loads torch and numpy only (no
-megatron, sglang or ray), so it runs on the controller and in CPU tests.
+recipes resolve through the registries of `megarl.registry`
+(`ADVANTAGE_ESTIMATORS`, `KL_PENALTIES`, `LOSS_AGG_MODES`), which the modules
+here fill. Importing this package loads torch and numpy only (no megatron,
+sglang or ray), so it runs on the controller and in CPU tests.
 """
 
 from megarl.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
+    estimate_advantages,
+    estimator,
     gae,
-    get_advantage_estimator,
     grpo,
-    needs_critic,
-    needs_groups,
     reinforce_plus_plus,
     reinforce_plus_plus_baseline,
     rloo,
 )
 from megarl.algorithms.kl import (
-    KL_PENALTIES,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_in_reward,
     entropy_from_logits,
     kl_penalty,
 )
-from megarl.algorithms.losses import LOSS_AGG_MODES, agg_loss, policy_loss, value_loss
+from megarl.algorithms.losses import agg_loss, policy_loss, value_loss
 from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algorithms.metrics import (
     TIMING_PHASES,
@@ -37,9 +35,6 @@ from megarl.algorithms.metrics import (
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "KL_PENALTIES",
-    "LOSS_AGG_MODES",
     "TIMING_PHASES",
     "AdaptiveKLController",
     "FixedKLController",
@@ -49,16 +44,15 @@ __all__ = [
     "compute_throughput_metrics",
     "compute_timing_metrics",
     "entropy_from_logits",
+    "estimate_advantages",
+    "estimator",
     "gae",
-    "get_advantage_estimator",
     "grpo",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
-    "needs_critic",
-    "needs_groups",
     "policy_loss",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",

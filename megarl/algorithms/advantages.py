@@ -6,41 +6,63 @@ left-aligned in the R window) plus explicit keyword arguments, and returns
 advantages are targets, never differentiated through. The group-based
 estimators take `index` (the prompt `uid` of each sample): samples with the
 same index are answers to the same prompt.
+
+An estimator declares what it consumes by its parameter names, drawn from
+`ESTIMATOR_INPUTS`; `@estimator(name)` registers it in
+`megarl.registry.ADVANTAGE_ESTIMATORS` with the metadata derived from them
+(`needs_critic`: it reads `values`; `needs_groups`: it reads `index`), and
+`estimate_advantages` calls it with exactly those inputs. A new estimator is
+one decorated function: the recipe checks and the step loop find it by name.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from megarl.algorithms.masked import masked_whiten_
-from megarl.algorithms.registry import lookup, register
-
-ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
-
-_NEEDS_CRITIC = frozenset({"gae"})
-_NEEDS_GROUPS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline"})
+from megarl.registry import ADVANTAGE_ESTIMATORS
 
 GroupIndex = np.ndarray | torch.Tensor | Sequence
 
+# What an estimator may ask for, by parameter name: the step's tensors, then the recipe's settings.
+ESTIMATOR_INPUTS = (
+    "token_level_rewards",  # [B, R] rewards (scores, KL-penalised when in reward)
+    "response_mask",  # [B, R] 1 at response tokens
+    "values",  # [B, R] critic values: the estimator needs a critic
+    "index",  # [B] prompt uid per sample: the estimator compares responses within a group
+    "gamma",  # discount (algorithm.gamma)
+    "lam",  # GAE lambda (algorithm.lam)
+    "norm_by_std",  # divide by the group std (algorithm.norm_adv_by_std_in_grpo)
+)
 
-def get_advantage_estimator(name: str) -> Callable:
-    """The estimator registered as `name`; ValueError listing the known names otherwise."""
-    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+
+def estimator(name: str) -> Callable[[Callable], Callable]:
+    """Register an estimator under `name`; its parameters must come from `ESTIMATOR_INPUTS` (or have defaults)."""
+
+    def decorator(fn: Callable) -> Callable:
+        params = inspect.signature(fn).parameters
+        unknown = [p for p, spec in params.items() if p not in ESTIMATOR_INPUTS and spec.default is inspect._empty]
+        if unknown:
+            raise TypeError(f"estimator {name!r}: parameters {unknown} are not inputs ({', '.join(ESTIMATOR_INPUTS)})")
+        ADVANTAGE_ESTIMATORS.add(name, fn, needs_critic="values" in params, needs_groups="index" in params)
+        return fn
+
+    return decorator
 
 
-def needs_critic(name: str) -> bool:
-    """True when the estimator consumes critic `values` (only `gae`)."""
-    get_advantage_estimator(name)
-    return name in _NEEDS_CRITIC
-
-
-def needs_groups(name: str) -> bool:
-    """True when the estimator needs the per-sample group `index` (uid)."""
-    get_advantage_estimator(name)
-    return name in _NEEDS_GROUPS
+def estimate_advantages(name: str, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run estimator `name` on the `inputs` it declares (the rest are ignored): (advantages, returns) [B, R]."""
+    fn = ADVANTAGE_ESTIMATORS.get(name).target
+    params = inspect.signature(fn).parameters
+    missing = [p for p in params if p in ESTIMATOR_INPUTS and p not in inputs and params[p].default is inspect._empty]
+    if missing:
+        raise ValueError(f"advantage estimator {name!r} needs {missing}, which the step did not provide")
+    return fn(**{key: value for key, value in inputs.items() if key in params})
 
 
 def _float_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -79,7 +101,7 @@ def _group_sums(values: torch.Tensor, ids: torch.Tensor, num_groups: int) -> tor
     return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, ids, values)
 
 
-@register(ADVANTAGE_ESTIMATORS, "gae")
+@estimator("gae")
 @torch.no_grad()
 def gae(
     token_level_rewards: torch.Tensor,
@@ -148,7 +170,7 @@ def _broadcast(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tenso
     return torch.where(response_mask.bool(), scores.unsqueeze(-1), 0.0)
 
 
-@register(ADVANTAGE_ESTIMATORS, "grpo")
+@estimator("grpo")
 @torch.no_grad()
 def grpo(
     token_level_rewards: torch.Tensor,
@@ -177,7 +199,7 @@ def grpo(
     return advantages, advantages
 
 
-@register(ADVANTAGE_ESTIMATORS, "rloo")
+@estimator("rloo")
 @torch.no_grad()
 def rloo(
     token_level_rewards: torch.Tensor,
@@ -202,7 +224,7 @@ def rloo(
     return advantages, advantages
 
 
-@register(ADVANTAGE_ESTIMATORS, "reinforce_plus_plus")
+@estimator("reinforce_plus_plus")
 @torch.no_grad()
 def reinforce_plus_plus(
     token_level_rewards: torch.Tensor,
@@ -235,7 +257,7 @@ def reinforce_plus_plus(
     return masked_whiten_(returns.clone(), response_mask), returns
 
 
-@register(ADVANTAGE_ESTIMATORS, "reinforce_plus_plus_baseline")
+@estimator("reinforce_plus_plus_baseline")
 @torch.no_grad()
 def reinforce_plus_plus_baseline(
     token_level_rewards: torch.Tensor,

@@ -9,32 +9,28 @@ the actor loss (the engine calls `kl_penalty` and `agg_loss` itself).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from megarl.algorithms.masked import masked_mean
-from megarl.algorithms.registry import lookup, register
-
-KL_PENALTIES: dict[str, Callable] = {}
+from megarl.registry import KL_PENALTIES
 
 
-@register(KL_PENALTIES, "kl", "k1")
+@KL_PENALTIES.register("kl", "k1")
 def _k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return log_prob - ref_log_prob
 
 
-@register(KL_PENALTIES, "abs")
+@KL_PENALTIES.register("abs")
 def _abs(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return (log_prob - ref_log_prob).abs()
 
 
-@register(KL_PENALTIES, "mse", "k2")
+@KL_PENALTIES.register("mse", "k2")
 def _k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return 0.5 * (log_prob - ref_log_prob).square()
 
 
-@register(KL_PENALTIES, "low_var_kl", "k3")
+@KL_PENALTIES.register("low_var_kl", "k3")
 def _k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     # Unbiased and always >= 0, but exp() explodes when the policies drift far
     # apart: clamp the log-ratio before exp and the estimate after it.
@@ -51,7 +47,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     with ref - logp clamped to [-20, 20] and the result to [-10, 10].
     Unknown kind -> ValueError listing the known ones.
     """
-    return lookup(KL_PENALTIES, kind, "KL penalty kind")(log_prob, ref_log_prob)
+    return KL_PENALTIES.get(kind).target(log_prob, ref_log_prob)
 
 
 @torch.no_grad()

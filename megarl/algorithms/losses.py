@@ -11,50 +11,51 @@ and micro-batches before a single `.item()`, instead of one sync per metric.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from megarl.algorithms.masked import masked_count, masked_mean, masked_sum
-from megarl.algorithms.registry import lookup, register
-
-LOSS_AGG_MODES: dict[str, Callable] = {}
+from megarl.registry import LOSS_AGG_MODES
 
 # A token or sequence count to divide by instead of the local one (see agg_loss).
 Normaliser = float | torch.Tensor | None
 
 
-@register(LOSS_AGG_MODES, "token-mean")
-def _token_mean(
-    loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_tokens: Normaliser, global_seqs: Normaliser
-) -> torch.Tensor:
-    tokens = masked_count(loss_mask).clamp(min=1) if global_tokens is None else global_tokens
-    return masked_sum(loss_mat, loss_mask) / tokens
+def _tokens(loss_mask: torch.Tensor, global_tokens: Normaliser) -> Normaliser:
+    return masked_count(loss_mask).clamp(min=1) if global_tokens is None else global_tokens
 
 
-@register(LOSS_AGG_MODES, "seq-mean-token-sum")
-def _seq_mean_token_sum(
-    loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_tokens: Normaliser, global_seqs: Normaliser
-) -> torch.Tensor:
-    seqs = loss_mat.shape[0] if global_seqs is None else global_seqs
-    return masked_sum(loss_mat, loss_mask) / seqs
+def _sequences(loss_mask: torch.Tensor, global_seqs: Normaliser) -> Normaliser:
+    """|S|: the sequences with at least one valid token (an empty one carries no loss, so it is no sample)."""
+    return (masked_count(loss_mask, dim=-1) > 0).sum().clamp(min=1) if global_seqs is None else global_seqs
 
 
-@register(LOSS_AGG_MODES, "seq-mean-token-mean")
-def _seq_mean_token_mean(
-    loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_tokens: Normaliser, global_seqs: Normaliser
-) -> torch.Tensor:
-    seqs = loss_mat.shape[0] if global_seqs is None else global_seqs
-    return masked_mean(loss_mat, loss_mask, dim=-1).sum() / seqs
+@LOSS_AGG_MODES.register("token-mean")
+def _token_mean(loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_tokens: Normaliser,
+                global_seqs: Normaliser) -> torch.Tensor:
+    return masked_sum(loss_mat, loss_mask) / _tokens(loss_mask, global_tokens)
 
 
-@register(LOSS_AGG_MODES, "seq-mean-token-sum-norm")
-def _seq_mean_token_sum_norm(
-    loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_tokens: Normaliser, global_seqs: Normaliser
-) -> torch.Tensor:
-    # Dr.GRPO: a constant normaliser (the response window), so a long answer
-    # is not down-weighted per token. Already additive over micro-batches.
-    return masked_sum(loss_mat, loss_mask) / loss_mask.shape[-1]
+@LOSS_AGG_MODES.register("seq-mean-token-sum")
+def _seq_mean_token_sum(loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_tokens: Normaliser,
+                        global_seqs: Normaliser) -> torch.Tensor:
+    return masked_sum(loss_mat, loss_mask) / _sequences(loss_mask, global_seqs)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_tokens: Normaliser,
+                         global_seqs: Normaliser) -> torch.Tensor:
+    # masked_mean gives an empty row 0, so the sum runs over S alone.
+    return masked_mean(loss_mat, loss_mask, dim=-1).sum() / _sequences(loss_mask, global_seqs)
+
+
+@LOSS_AGG_MODES.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_tokens: Normaliser,
+                             global_seqs: Normaliser) -> torch.Tensor:
+    # Dr.GRPO: each sequence's token sum over a constant horizon H (the response window), so a long
+    # answer is not down-weighted per token; then the mean over sequences, so the loss does not
+    # grow with the mini-batch size.
+    horizon = loss_mask.shape[-1]
+    return masked_sum(loss_mat, loss_mask) / (_sequences(loss_mask, global_seqs) * horizon)
 
 
 def agg_loss(
@@ -67,21 +68,21 @@ def agg_loss(
 ) -> torch.Tensor:
     """Reduce a per-token loss `[B, R]` over the valid tokens of `loss_mask` `[B, R]` to a scalar.
 
-    Modes: `token-mean` (sum / number of valid tokens), `seq-mean-token-sum`
-    (per-sequence sums, averaged over the B sequences), `seq-mean-token-mean`
-    (per-sequence means, averaged over the B sequences; an empty sequence
-    counts as 0), `seq-mean-token-sum-norm` (sum / R, Dr.GRPO).
+    With S = the sequences holding at least one valid token and H = R (the
+    response window), the modes are (DESIGN.md §4): `token-mean` sum / valid
+    tokens; `seq-mean-token-sum` (1/|S|) sum_i sum_t l; `seq-mean-token-mean`
+    (1/|S|) sum_i mean_t l; `seq-mean-token-sum-norm` (1/|S|) sum_i sum_t l / H
+    (Dr.GRPO).
 
-    `global_tokens` / `global_seqs` replace the local token / sequence count
-    of the denominator. Pass the totals of the whole mini-batch (all
-    micro-batches on all data-parallel ranks): then every micro-batch loss is
-    its share of the mini-batch loss and summing them (gradient accumulation,
-    plus a SUM all-reduce across ranks) gives exactly the mini-batch value,
-    whatever the split; where gradients are averaged over DP ranks instead
-    (Megatron DDP's default), scale the loss by the DP size.
-    `seq-mean-token-sum-norm` needs neither.
+    `global_tokens` / `global_seqs` replace the local token count / |S| of the
+    denominator. Pass the totals of the whole mini-batch (all micro-batches on
+    all data-parallel ranks): then every micro-batch loss is its share of the
+    mini-batch loss and summing them (gradient accumulation, plus a SUM
+    all-reduce across ranks) gives exactly the mini-batch value, whatever the
+    split; where gradients are averaged over DP ranks instead (Megatron DDP's
+    default), scale the loss by the DP size.
     """
-    reduce = lookup(LOSS_AGG_MODES, loss_agg_mode, "loss_agg_mode")
+    reduce = LOSS_AGG_MODES.get(loss_agg_mode).target
     if loss_mat.shape != loss_mask.shape:
         raise ValueError(f"loss_mat {tuple(loss_mat.shape)} and loss_mask {tuple(loss_mask.shape)} differ")
     return reduce(loss_mat, loss_mask, global_tokens, global_seqs)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
+from megarl.algorithms.losses import agg_loss
 from megarl.algorithms.masked import masked_count, masked_mean
 
 TIMING_PHASES = (
@@ -69,6 +70,7 @@ def compute_data_metrics(
     response_mask: torch.Tensor,
     prompt_mask: torch.Tensor,
     max_response_length: int,
+    max_prompt_length: int,
     values: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The `critic/*`, `response_length/*` and `prompt_length/*` metrics of one step.
@@ -76,8 +78,9 @@ def compute_data_metrics(
     Shapes: the token tensors and response_mask [B, R], prompt_mask [B, P].
     Scores and rewards are per sequence (sum over tokens); advantages,
     returns and values are over response tokens. `critic/values/*` and
-    `critic/vf_explained_var` only when `values` is given. The prompt
-    clip_ratio is the share of prompts filling the whole P window.
+    `critic/vf_explained_var` only when `values` is given. Each clip_ratio is
+    the share of rows reaching the configured limit (`max_response_length`,
+    `max_prompt_length`), not the batch's widest row.
     """
     valid = response_mask.bool()
     metrics: dict[str, float] = {}
@@ -91,8 +94,14 @@ def compute_data_metrics(
         metrics |= _mean_max_min("critic/values", valid_values)
         metrics["critic/vf_explained_var"] = _explained_variance(valid_returns, valid_values)
     metrics |= _length_metrics("response_length", response_mask, max_response_length)
-    metrics |= _length_metrics("prompt_length", prompt_mask, prompt_mask.shape[-1])
+    metrics |= _length_metrics("prompt_length", prompt_mask, max_prompt_length)
     return metrics
+
+
+@torch.no_grad()
+def entropy_metric(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """`actor/entropy`: the token entropies `[B, R]` of the step's responses aggregated like the actor's loss."""
+    return float(agg_loss(entropy.double(), response_mask, loss_agg_mode))
 
 
 def compute_timing_metrics(timings: Mapping[str, float]) -> dict[str, float]:

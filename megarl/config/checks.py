@@ -15,8 +15,8 @@ from typing import Any
 from megarl.config.layout import TRAINING_ROLES, active_roles, role_parallel, role_pool, rollout_layout, training_layout
 from megarl.config.schema import Recipe, read_hf_config
 from megarl.errors import InputError
+from megarl.registry import ADVANTAGE_ESTIMATORS
 
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
@@ -182,7 +182,7 @@ def _check_rollout(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem
     rollout, placement, problems = recipe.rollout, recipe.placement, []
     if placement.device == "cpu" and rollout.backend == "sglang":
         problems.append(_problem("rollout.backend", "SGLang needs placement.device: cuda; use backend 'cpu'", "sglang"))
-    if recipe.algorithm.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+    if ADVANTAGE_ESTIMATORS.get(recipe.algorithm.adv_estimator).needs_groups and rollout.n < 2:
         problems.append(
             _problem(
                 "rollout.n",
@@ -220,13 +220,15 @@ def _check_rollout(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem
 
 def _check_algorithm_and_data(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem]:
     problems, data, estimator = [], recipe.data, recipe.algorithm.adv_estimator
-    if estimator == "gae" and recipe.critic is None:
-        problems.append(_problem("critic", "adv_estimator 'gae' needs a critic section", None))
-    if estimator != "gae" and recipe.critic is not None:
+    needs_critic = ADVANTAGE_ESTIMATORS.get(estimator).needs_critic
+    if needs_critic and recipe.critic is None:
+        problems.append(_problem("critic", f"adv_estimator {estimator!r} needs a critic section", None))
+    if not needs_critic and recipe.critic is not None:
+        users = ", ".join(repr(name) for name in ADVANTAGE_ESTIMATORS if ADVANTAGE_ESTIMATORS.get(name).needs_critic)
         problems.append(
             _problem(
                 "critic",
-                f"adv_estimator {estimator!r} uses no critic; remove the section or use 'gae'",
+                f"adv_estimator {estimator!r} uses no critic; remove the section or use one that does ({users})",
                 "a critic section",
                 verbatim=True,
             )

@@ -7,13 +7,38 @@ several fields (layout vs pool size, batch divisibility, critic iff GAE) are in
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 
-AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-KLPenalty = Literal["kl", "abs", "mse", "low_var_kl"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+from megarl.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, Registry
+
+
+def registered(registry: Registry) -> Any:
+    """A recipe string that must name an entry of `registry`; `megarl schema` lists the entries as its enum.
+
+    The allowed values are read from the registry when a recipe is validated, so an entry
+    registered anywhere (a plug-in module, a test) is usable from a recipe at once.
+    """
+
+    def add_enum(schema: dict[str, Any]) -> None:
+        schema["enum"] = registry.names()
+
+    return Annotated[str, AfterValidator(registry.check), Field(json_schema_extra=add_enum)]
+
+
+AdvantageEstimator = registered(ADVANTAGE_ESTIMATORS)
+KLPenalty = registered(KL_PENALTIES)
+LossAggMode = registered(LOSS_AGG_MODES)
 
 
 class Section(BaseModel):
@@ -111,7 +136,11 @@ class CriticConfig(Section):
     ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
     cliprange_value: PositiveFloat = Field(0.5, description="value clipping range around the old values")
     loss_agg_mode: LossAggMode = Field("token-mean", description="how token value losses are averaged")
-    warmup_steps: NonNegativeInt = Field(0, description="first steps train only the critic; the actor is frozen")
+    warmup_steps: NonNegativeInt = Field(
+        0,
+        description="the first warmup_steps steps train only the critic; the actor is frozen and no weights "
+        "are synced. N freezes the actor for exactly N steps (verl's trainer.critic_warmup: N freezes it for N-1)",
+    )
 
 
 class ReferenceConfig(Section):

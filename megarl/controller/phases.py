@@ -10,7 +10,7 @@ import uuid
 
 import numpy as np
 
-from megarl.algorithms import advantages as adv
+from megarl.algorithms.advantages import estimate_advantages
 from megarl.algorithms.kl import apply_kl_in_reward
 from megarl.protocol import Batch
 # The rollout-side helpers are part of this module's API (the step loop and the SFT warm-up use them).
@@ -57,21 +57,16 @@ def apply_kl(batch: Batch, *, kl_coef: float, kind: str) -> dict[str, float]:
 
 
 def compute_advantage(batch: Batch, *, estimator: str, gamma: float, lam: float, norm_by_std: bool) -> Batch:
-    """The estimator fork of the step: GAE reads values, the group estimators read uid."""
-    rewards, mask = batch["token_level_rewards"], batch["response_mask"]
-    if estimator == "gae":
-        advantages, returns = adv.gae(rewards, batch["values"], mask, gamma=gamma, lam=lam)
-    elif estimator == "grpo":
-        advantages, returns = adv.grpo(rewards, mask, batch["uid"], norm_by_std=norm_by_std)
-    elif estimator == "rloo":
-        advantages, returns = adv.rloo(rewards, mask, batch["uid"])
-    elif estimator == "reinforce_plus_plus":
-        advantages, returns = adv.reinforce_plus_plus(rewards, mask, gamma=gamma)
-    elif estimator == "reinforce_plus_plus_baseline":
-        advantages, returns = adv.reinforce_plus_plus_baseline(rewards, mask, batch["uid"])
-    else:
-        raise ValueError(f"unknown advantage estimator {estimator!r}")
-    batch["advantages"], batch["returns"] = advantages, returns
+    """The estimator fork of the step: each registered estimator takes the inputs it declares."""
+    inputs = {
+        "token_level_rewards": batch["token_level_rewards"],
+        "response_mask": batch["response_mask"],
+        "index": batch["uid"],
+        "gamma": gamma,
+        "lam": lam,
+        "norm_by_std": norm_by_std,
+    }
+    if "values" in batch:
+        inputs["values"] = batch["values"]
+    batch["advantages"], batch["returns"] = estimate_advantages(estimator, **inputs)
     return batch
-
-

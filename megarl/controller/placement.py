@@ -67,6 +67,11 @@ class ResourcePool:
         return 1.0 / max(1, len(self.roles))
 
 
+def total_devices(pools: dict[str, ResourcePool]) -> int:
+    """Every device the run holds: each pool once, however many roles share it."""
+    return sum(pool.world_size for pool in set(pools.values()))
+
+
 def plan_pools(recipe: Recipe) -> dict[str, ResourcePool]:
     """Map every active role to its pool; roles sharing a pool share the ResourcePool object."""
     made: dict[str, ResourcePool] = {}

@@ -6,11 +6,14 @@ the loop in `trainer.py` never sees Ray, HTTP or Megatron.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from megarl.algorithms.metrics import entropy_metric
+from megarl.config.settings import Batching, PolicyUpdateSettings, ValueUpdateSettings, WeightSyncSettings
+from megarl.controller.phases import apply_kl
 from megarl.controller.worker_group import WorkerGroup, mean_metrics
 from megarl.protocol import Batch
 
@@ -20,84 +23,70 @@ CRITIC_UPDATE_KEYS = INPUT_KEYS + ("response_mask", "values", "returns")
 
 
 class PolicyRole:
-    """A Megatron policy (trainable actor, or frozen reference) behind its worker group."""
+    """A Megatron policy behind its worker group: the trainable actor (with `update` settings) or the frozen
+    reference (without)."""
 
-    def __init__(self, group: WorkerGroup, *, logprob_micro_batch_size: int,
-                 max_tokens_per_microbatch: int | None = None, ppo: dict[str, Any] | None = None):
+    def __init__(self, group: WorkerGroup, *, batching: Batching, update: PolicyUpdateSettings | None = None):
         self.group = group
-        self.logprob_micro_batch_size = logprob_micro_batch_size
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
-        self.ppo = ppo or {}
+        self.batching = batching
+        self.update_settings = update
 
     @property
     def dp_size(self) -> int:
         return self.group.dp_size
 
     def _log_probs(self, batch: Batch, *, key: str, temperature: float, with_entropy: bool) -> Batch:
-        shards = self.group.dispatch_dp(
-            "compute_log_prob",
-            batch.select(list(INPUT_KEYS)),
-            temperature=temperature,
-            micro_batch_size=self.logprob_micro_batch_size,
-            max_tokens_per_microbatch=self.max_tokens_per_microbatch,
-            with_entropy=with_entropy,
-            key=key,
-        )
+        shards = self.group.dispatch_dp("compute_log_prob", batch.select(list(INPUT_KEYS)), key=key,
+                                        temperature=temperature, with_entropy=with_entropy, batching=self.batching)
         return Batch.concat(shards)
 
-    def compute_log_prob(self, batch: Batch, *, temperature: float, with_entropy: bool) -> tuple[Batch, float]:
-        """Adds `old_log_probs`; returns the mean entropy over response tokens (`actor/entropy`)."""
-        out = self._log_probs(batch, key="old_log_probs", temperature=temperature, with_entropy=with_entropy)
+    def compute_log_prob(self, batch: Batch, *, temperature: float) -> tuple[Batch, dict[str, float]]:
+        """Adds `old_log_probs`; returns `actor/entropy`, aggregated over the response tokens like the loss."""
+        out = self._log_probs(batch, key="old_log_probs", temperature=temperature, with_entropy=True)
         batch["old_log_probs"] = out["old_log_probs"]
-        entropy = float("nan")
-        if with_entropy:
-            mask = batch["response_mask"]
-            entropy = float((out["entropy"] * mask).sum() / mask.sum().clamp(min=1))
-        return batch, entropy
+        mode = self.update_settings.loss.loss_agg_mode
+        return batch, {"actor/entropy": entropy_metric(out["entropy"], batch["response_mask"], mode)}
 
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float) -> Batch:
         out = self._log_probs(batch, key="ref_log_prob", temperature=temperature, with_entropy=False)
         batch["ref_log_prob"] = out["ref_log_prob"]
         return batch
 
-    def update(self, batch: Batch, *, temperature: float) -> dict[str, float]:
-        keys = list(UPDATE_KEYS) + (["ref_log_prob"] if "ref_log_prob" in batch else [])
-        per_rank = self.group.dispatch_dp("update_actor", batch.select(keys), temperature=temperature, **self.ppo)
-        return mean_metrics(per_rank)
+    def update(self, batch: Batch) -> dict[str, float]:
+        keys = list(UPDATE_KEYS) + (["ref_log_prob"] if self.update_settings.loss.use_kl_loss else [])
+        return mean_metrics(self.group.dispatch_dp("update", batch.select(keys), settings=self.update_settings))
 
-    def sft(self, batch: Batch, *, micro_batch_size: int, lr: float) -> dict[str, float]:
-        return mean_metrics(self.group.dispatch_dp("sft_step", batch, micro_batch_size=micro_batch_size, lr=lr,
-                                                   max_tokens_per_microbatch=self.max_tokens_per_microbatch))
+    def sft(self, batch: Batch, *, batching: Batching, lr: float) -> dict[str, float]:
+        return mean_metrics(self.group.dispatch_dp("sft_step", batch, batching=batching, lr=lr))
 
-    def push_weights(self, *, urls: list[str], api_key: str | None, version: int, **sync_options) -> dict[str, float]:
-        """Weight sync to `urls`; `sync_options` pick the transport (see MegatronWorker.push_weights)."""
-        results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version, **sync_options)
+    def reset_optimizer_state(self) -> None:
+        self.group.run("reset_optimizer_state")
+
+    def push_weights(self, *, urls: list[str], api_key: str | None, version: int,
+                     settings: WeightSyncSettings) -> dict[str, float]:
+        """Weight sync to `urls` through `settings.transport`; the metrics of trainer rank 0."""
+        results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version, settings=settings)
         return next(result for result in results if result is not None)
 
 
 class CriticRole:
     """The Megatron value model behind its worker group: values for GAE, PPO value updates."""
 
-    def __init__(self, group: WorkerGroup, *, values_micro_batch_size: int, update: dict[str, Any]):
+    def __init__(self, group: WorkerGroup, *, update: ValueUpdateSettings):
         self.group = group
-        self.values_micro_batch_size = values_micro_batch_size
-        self.update_kwargs = update  # includes max_tokens_per_microbatch, also used for values
+        self.update_settings = update
 
     def compute_values(self, batch: Batch) -> Batch:
         """Adds `values` [B, R]: V of the state before each response token."""
-        shards = self.group.dispatch_dp(
-            "compute_values",
-            batch.select(list(INPUT_KEYS)),
-            micro_batch_size=self.values_micro_batch_size,
-            max_tokens_per_microbatch=self.update_kwargs["max_tokens_per_microbatch"],
-        )
+        shards = self.group.dispatch_dp("compute_values", batch.select(list(INPUT_KEYS)),
+                                        batching=self.update_settings.batching)
         batch["values"] = Batch.concat(shards)["values"]
         return batch
 
     def update(self, batch: Batch) -> dict[str, float]:
         """critic/{vf_loss, vf_clipfrac, grad_norm, lr}, averaged over DP ranks."""
-        per_rank = self.group.dispatch_dp("update_critic", batch.select(list(CRITIC_UPDATE_KEYS)),
-                                          **self.update_kwargs)
+        per_rank = self.group.dispatch_dp("update", batch.select(list(CRITIC_UPDATE_KEYS)),
+                                          settings=self.update_settings)
         return mean_metrics(per_rank)
 
 
@@ -111,8 +100,6 @@ class Roles:
     reference: PolicyRole | None = None
     critic: CriticRole | None = None
     kl_ctrl: Any = None
-    api_key: str | None = None
-    extras: dict = field(default_factory=dict)
 
     def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         scores, metrics = self.reward_fn(batch)
@@ -120,8 +107,6 @@ class Roles:
         return batch, metrics
 
     def apply_kl_in_reward(self, batch: Batch, *, kind: str) -> dict[str, float]:
-        from megarl.controller.phases import apply_kl
-
         metrics = apply_kl(batch, kl_coef=self.kl_ctrl.value, kind=kind)
         self.kl_ctrl.update(metrics["actor/reward_kl_penalty"], n_steps=len(batch))
         return metrics

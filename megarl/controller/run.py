@@ -16,11 +16,18 @@ from pathlib import Path
 
 from megarl.config import Recipe, dump_recipe
 from megarl.config.schema import read_hf_config
+from megarl.config.settings import (
+    logprob_batching,
+    optimizer_settings,
+    policy_update_settings,
+    value_update_settings,
+    weight_sync_settings,
+)
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import refuse_silent_restart, save_step
 from megarl.controller.engine_worker import MegatronWorker
 from megarl.controller.fleet import start_rollout_fleet
-from megarl.controller.placement import plan_pools
+from megarl.controller.placement import plan_pools, total_devices
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
@@ -31,98 +38,15 @@ from megarl.controller.worker_group import WorkerGroup
 from megarl.protocol import Batch
 
 
-def _policy_group(recipe: Recipe, pool, *, name: str, parallel, weights: Path, trainable: bool) -> WorkerGroup:
+def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,
+                  optimizer) -> WorkerGroup:
+    """`pool.world_size` ranks hosting one engine of `kind` ("policy" or "value")."""
     group = WorkerGroup(MegatronWorker, pool, name=name)
     master_addr, master_port = group.run_rank(0, "master_endpoint")
-    actor = recipe.actor
-    engine_kwargs = dict(
-        hf_config=recipe.model.hf_config(),
-        weights=str(weights),
-        seed=recipe.seed,
-        trainable=trainable,
-        params_dtype=recipe.model.dtype,
-    )
-    if trainable:
-        engine_kwargs.update(_optim_kwargs(recipe, actor))
-    group.run(
-        "init_engine",
-        master_addr=master_addr,
-        master_port=master_port,
-        parallel=parallel.model_dump(),
-        engine_kwargs=engine_kwargs,
-    )
+    group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port,
+              parallel=parallel.model_dump(), hf_config=hf_config, weights=str(weights), seed=recipe.seed,
+              params_dtype=recipe.model.dtype, optimizer=optimizer)
     return group
-
-
-def _optim_kwargs(recipe: Recipe, section) -> dict:
-    """Optimizer and LR-schedule arguments of a trainable engine (`section`: recipe.actor or recipe.critic)."""
-    optim = section.optim
-    updates_per_step = section.ppo_epochs * (
-        recipe.data.train_batch_size * recipe.rollout.n // section.ppo_mini_batch_size
-    )
-    return dict(
-        lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        betas=tuple(optim.betas),
-        eps=optim.eps,
-        clip_grad=optim.clip_grad,
-        warmup_steps=optim.warmup_steps,
-        schedule=optim.schedule,
-        min_lr=optim.min_lr,
-        total_steps=recipe.trainer.total_steps * updates_per_step,
-    )
-
-
-def _critic_group(recipe: Recipe, pool, *, weights: Path) -> WorkerGroup:
-    """The value model's worker group, its backbone from `critic.model_path` or the actor's checkpoint."""
-    critic = recipe.critic
-    group = WorkerGroup(MegatronWorker, pool, name="critic")
-    master_addr, master_port = group.run_rank(0, "master_endpoint")
-    engine_kwargs = dict(
-        hf_config=read_hf_config(critic.model_path, key="critic.model_path")
-        if critic.model_path else recipe.model.hf_config(),
-        weights=str(critic.model_path or weights),
-        seed=recipe.seed,
-        params_dtype=recipe.model.dtype,
-        **_optim_kwargs(recipe, critic),
-    )
-    group.run("init_critic", master_addr=master_addr, master_port=master_port,
-              parallel=critic.parallel.model_dump(), engine_kwargs=engine_kwargs)
-    return group
-
-
-def _critic_kwargs(recipe: Recipe, dp_size: int) -> dict:
-    critic = recipe.critic
-    return dict(
-        ppo_epochs=critic.ppo_epochs,
-        mini_batch_size=critic.ppo_mini_batch_size // dp_size,
-        micro_batch_size=critic.ppo_micro_batch_size,
-        shuffle=recipe.actor.shuffle,
-        seed=recipe.seed,
-        cliprange_value=critic.cliprange_value,
-        loss_agg_mode=critic.loss_agg_mode,
-        max_tokens_per_microbatch=critic.max_tokens_per_microbatch,
-    )
-
-
-def _ppo_kwargs(recipe: Recipe, dp_size: int) -> dict:
-    actor = recipe.actor
-    return dict(
-        ppo_epochs=actor.ppo_epochs,
-        mini_batch_size=actor.ppo_mini_batch_size // dp_size,
-        micro_batch_size=actor.ppo_micro_batch_size,
-        shuffle=actor.shuffle,
-        seed=recipe.seed,
-        clip_ratio_low=actor.clip_ratio_low,
-        clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_c=actor.clip_ratio_c,
-        loss_agg_mode=actor.loss_agg_mode,
-        entropy_coeff=actor.entropy_coeff,
-        use_kl_loss=actor.use_kl_loss,
-        kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type,
-        max_tokens_per_microbatch=actor.max_tokens_per_microbatch,
-    )
 
 
 def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
@@ -130,25 +54,28 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
     """Worker groups, the optional SFT warm-up, the fleet and the first weight sync; registers their teardown."""
     for pool in set(pools.values()):
         cleanup.callback(pool.release)
-    actor_group = _policy_group(recipe, pools["actor"], name="actor", parallel=recipe.actor.parallel,
-                                weights=weights, trainable=True)
+    hf_config = recipe.model.hf_config()
+    actor_group = _engine_group(recipe, pools["actor"], name="actor", kind="policy", parallel=recipe.actor.parallel,
+                                hf_config=hf_config, weights=weights, optimizer=optimizer_settings(recipe, "actor"))
     cleanup.callback(actor_group.kill)
-    logprob_mbs = recipe.actor.logprob_micro_batch_size or recipe.actor.ppo_micro_batch_size
-    max_tokens = recipe.actor.max_tokens_per_microbatch
-    actor = PolicyRole(actor_group, logprob_micro_batch_size=logprob_mbs, max_tokens_per_microbatch=max_tokens,
-                       ppo=_ppo_kwargs(recipe, actor_group.dp_size))
+    actor = PolicyRole(actor_group, batching=logprob_batching(recipe), update=policy_update_settings(recipe))
     reference = None
     if "reference" in pools:
-        ref_group = _policy_group(recipe, pools["reference"], name="reference", parallel=recipe.reference.parallel,
-                                  weights=weights, trainable=False)
+        ref_group = _engine_group(recipe, pools["reference"], name="reference", kind="policy",
+                                  parallel=recipe.reference.parallel, hf_config=hf_config, weights=weights,
+                                  optimizer=None)
         cleanup.callback(ref_group.kill)
-        reference = PolicyRole(ref_group, logprob_micro_batch_size=logprob_mbs, max_tokens_per_microbatch=max_tokens)
+        reference = PolicyRole(ref_group, batching=logprob_batching(recipe))
     critic = None
     if recipe.critic is not None:
-        critic_group = _critic_group(recipe, pools["critic"], weights=weights)
+        critic_path = recipe.critic.model_path
+        critic_group = _engine_group(
+            recipe, pools["critic"], name="critic", kind="value", parallel=recipe.critic.parallel,
+            hf_config=read_hf_config(critic_path, key="critic.model_path") if critic_path else hf_config,
+            weights=Path(critic_path) if critic_path else weights, optimizer=optimizer_settings(recipe, "critic"),
+        )
         cleanup.callback(critic_group.kill)
-        critic = CriticRole(critic_group, values_micro_batch_size=recipe.critic.ppo_micro_batch_size,
-                            update=_critic_kwargs(recipe, critic_group.dp_size))
+        critic = CriticRole(critic_group, update=value_update_settings(recipe))
     if recipe.sft_warmup.steps > 0:
         run_sft_warmup(actor, data, recipe, tracker)
         # The reference is the policy RL starts from: the warmed-up weights, not the initial ones;
@@ -165,14 +92,12 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                                 api_key=api_key, log_dir=run_dir / "logs")
     cleanup.callback(fleet.shutdown)
     # The fleet re-pushes the actor's current weights to a server it had to restart.
-    sync = recipe.weight_sync
-    fleet.set_weight_source(partial(actor.push_weights, api_key=api_key, transport=sync.transport,
-                                    bucket_mb=sync.bucket_mb, verify=sync.verify, timeout_s=sync.timeout_s,
-                                    disk_dir=str(run_dir / "weight_sync")))
+    fleet.set_weight_source(partial(actor.push_weights, api_key=api_key,
+                                    settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
     cleanup.callback(actor_group.run, "close_weight_sync")
     roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference, critic=critic,
-                  kl_ctrl=data.kl_ctrl, api_key=api_key)
+                  kl_ctrl=data.kl_ctrl)
     roles.sync_weights(version=0)
     return roles
 
@@ -206,7 +131,7 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
         pools = plan_pools(recipe)
         roles = _start_roles(recipe, pools=pools, weights=weights, data=data, run_dir=run_dir, tracker=tracker,
                              cleanup=cleanup)
-        trainer = Trainer(roles, _step_settings(recipe, pools["actor"].world_size))
+        trainer = Trainer(roles, _step_settings(recipe, total_devices(pools)))
 
         def run_validation() -> dict[str, float]:
             return validate(data.val_batches(), generate=roles.rollout.generate, reward_fn=data.reward_fn,
@@ -231,6 +156,7 @@ def _step_settings(recipe: Recipe, num_devices: int) -> StepSettings:
     return StepSettings(
         rollout_n=recipe.rollout.n,
         temperature=recipe.rollout.temperature,
+        max_prompt_length=recipe.data.max_prompt_length,
         max_response_length=recipe.data.max_response_length,
         adv_estimator=algo.adv_estimator,
         gamma=algo.gamma,

@@ -11,6 +11,7 @@ from statistics import mean
 
 import torch
 
+from megarl.config.settings import Batching
 from megarl.controller.phases import assemble_rollout, split_generation_batch
 from megarl.controller.roles import PolicyRole
 from megarl.data.padding import right_pad
@@ -39,13 +40,14 @@ def run_sft_warmup(actor: PolicyRole, data, recipe, tracker) -> int:
     from megarl.data.dataset import PromptLoader
 
     warmup = recipe.sft_warmup
+    batching = Batching(recipe.actor.ppo_micro_batch_size, recipe.actor.max_tokens_per_microbatch)
     loader = PromptLoader(data.train_dataset, warmup.batch_size, shuffle=True, seed=recipe.seed + 1)
     recent: deque[float] = deque(maxlen=10)
     step = 0
     while step < warmup.steps:
         batch = sft_batch(Batch.from_dict(next(loader)), data.tokenizer,
                           max_response_length=recipe.data.max_response_length)
-        metrics = actor.sft(batch, micro_batch_size=recipe.actor.ppo_micro_batch_size, lr=warmup.lr)
+        metrics = actor.sft(batch, batching=batching, lr=warmup.lr)
         recent.append(metrics["sft/loss"])
         step += 1
         reached = warmup.stop_loss is not None and len(recent) == recent.maxlen and mean(recent) < warmup.stop_loss
@@ -55,5 +57,5 @@ def run_sft_warmup(actor: PolicyRole, data, recipe, tracker) -> int:
             break
     # RL starts with fresh Adam moments: SFT momentum would otherwise keep moving the
     # weights even on steps whose advantages are all zero.
-    actor.group.run("reset_optimizer_state")
+    actor.reset_optimizer_state()
     return step

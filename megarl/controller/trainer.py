@@ -24,6 +24,7 @@ class StepSettings:
 
     rollout_n: int
     temperature: float
+    max_prompt_length: int
     max_response_length: int
     adv_estimator: str
     gamma: float
@@ -33,7 +34,7 @@ class StepSettings:
     kl_penalty: str
     balance_batch: bool
     critic_warmup: int
-    num_devices: int
+    num_devices: int  # every device of the placement the run uses (perf/throughput is per device)
 
 
 class Trainer:
@@ -64,7 +65,7 @@ class Trainer:
             with self._timed("reward"):
                 batch, reward_metrics = r.score(batch)
             with self._timed("old_log_prob"):
-                batch, entropy = r.actor.compute_log_prob(batch, temperature=s.temperature, with_entropy=True)
+                batch, entropy_metrics = r.actor.compute_log_prob(batch, temperature=s.temperature)
             if r.reference is not None:
                 with self._timed("ref"):
                     batch = r.reference.compute_ref_log_prob(batch, temperature=s.temperature)
@@ -82,16 +83,18 @@ class Trainer:
             if r.critic is not None:
                 with self._timed("update_critic"):
                     metrics.update(r.critic.update(batch))
+            # During the critic warm-up the actor is frozen: its weights are the fleet's already.
             if step >= s.critic_warmup:
                 with self._timed("update_actor"):
-                    metrics.update(r.actor.update(batch, temperature=s.temperature))
-            with self._timed("update_weights"):
-                metrics.update(r.sync_weights(version=step + 1))
+                    metrics.update(r.actor.update(batch))
+                with self._timed("update_weights"):
+                    metrics.update(r.sync_weights(version=step + 1))
         metrics.update(reward_metrics)
-        metrics.update(self._step_metrics(batch, entropy))
+        metrics.update(entropy_metrics)
+        metrics.update(self._step_metrics(batch))
         return metrics
 
-    def _step_metrics(self, batch: Batch, entropy: float) -> dict[str, float]:
+    def _step_metrics(self, batch: Batch) -> dict[str, float]:
         mask = batch["response_mask"]
         prompt_width = batch["prompts"].shape[1]
         metrics = compute_data_metrics(
@@ -102,9 +105,9 @@ class Trainer:
             response_mask=mask,
             prompt_mask=batch["attention_mask"][:, :prompt_width],
             max_response_length=self.settings.max_response_length,
+            max_prompt_length=self.settings.max_prompt_length,
             values=batch["values"] if "values" in batch else None,
         )
-        metrics["actor/entropy"] = entropy
         metrics["rollout/logprob_diff"] = float(
             rollout_logprob_diff(batch["rollout_log_probs"], batch["old_log_probs"], mask)
         )

@@ -76,17 +76,6 @@ def _barrier() -> None:
     torch.distributed.barrier()
 
 
-def _torch_optimizers(train: TrainState) -> list:
-    optimizer = train.optimizer
-    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def _optimizer_has_state(train: TrainState) -> bool:
-    # Adam creates its moments at the first step; before that there is nothing to save,
-    # and megatron's sharded optimizer state would ask the loader for moments that do not exist.
-    return any(len(opt.state) > 0 for opt in _torch_optimizers(train))
-
-
 def save_checkpoint(
     model: GPTModelChunks,
     train: TrainState | None,
@@ -105,7 +94,9 @@ def save_checkpoint(
         (ckpt_dir / METADATA_FILE).unlink(missing_ok=True)  # incomplete until the new one is written
     _barrier()
     state: dict = {**_model_state(model), "engine": engine_state}
-    with_optimizer_state = train is not None and _optimizer_has_state(train)
+    # Before the first step there are no moments to save, and megatron's sharded optimizer
+    # state would ask the loader for moments that do not exist.
+    with_optimizer_state = train is not None and train.has_state()
     if with_optimizer_state:
         model_state = {k: v for k, v in state.items() if k.startswith("model")}
         state["optimizer"] = train.optimizer.sharded_state_dict(model_state, is_loading=False)
@@ -180,8 +171,7 @@ def load_checkpoint(
     if with_optimizer and info.has_optimizer_state:
         train.optimizer.load_state_dict(loaded["optimizer"])
     elif with_optimizer:
-        for opt in _torch_optimizers(train):  # saved before the first step: start fresh
-            opt.state.clear()
+        train.reset_state()  # saved before the first step: start fresh
         train.optimizer.reload_model_params()
     if with_optimizer:
         train.scheduler.load_state_dict(loaded["scheduler"])

@@ -15,19 +15,20 @@ the outcome reward at the last valid token then bootstraps nothing past the end.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 
 from megarl.algorithms.losses import value_loss
-from megarl.engines import cpu_compat, gpt, hf_weights
-from megarl.engines.engine_base import MegatronEngine, global_normalisers
+from megarl.config.settings import Batching, OptimizerSettings, ValueUpdateSettings
+from megarl.engines import gpt, hf_weights
+from megarl.engines.engine_base import SEQUENCE_KEYS, MegatronEngine, global_normalisers, pick
 from megarl.engines.losses import dp_sum, loss_scale
-from megarl.engines.optim import TrainState, build_train_state
+from megarl.engines.protocol import Rows
 from megarl.engines.schedule import MicroBatches, broadcast_from_last_stage, is_output_stage
 
 Tensor = torch.Tensor
 CRITIC_METRICS = ("critic/vf_loss", "critic/vf_clipfrac")
+UPDATE_KEYS = (*SEQUENCE_KEYS, "response_mask", "values", "returns")
 
 
 def response_values(mb: dict, output: Tensor, *, response_length: int) -> Tensor:
@@ -81,48 +82,27 @@ def _reduce_critic_metrics(outputs: list[dict]) -> dict[str, float]:
 class ValueEngine(MegatronEngine):
     """One rank of a Megatron value model: values, PPO value updates, HF backbone weights in."""
 
+    _backbone_only = True
+
     def __init__(
         self,
         *,
         hf_config: dict,
         weights=None,
-        seed: int = 0,
+        seed: int,
+        params_dtype: str | torch.dtype | None,
+        optimizer: OptimizerSettings,
         head_init_std: float = 0.0,
-        params_dtype: str | torch.dtype | None = None,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        clip_grad: float = 1.0,
-        warmup_steps: int = 0,
-        schedule: str = "constant",
-        min_lr: float = 0.0,
-        total_steps: int | None = None,
     ):
         """`weights`: an HF checkpoint dir, an HF state dict, or None (random backbone from `seed`).
 
         The LM head of `weights` is ignored; the value head is N(0, head_init_std) from `seed`
-        (zeros by default), identical on every rank.
+        (zeros by default: the first values are 0), identical on every rank.
         """
-        cpu_compat.install()
-        self.hf_config = dict(hf_config)
-        self.model = gpt.build_gpt(hf_config, params_dtype=params_dtype, value_head=True)
+        self._build(hf_config, params_dtype=params_dtype, value_head=True)
         self._load_backbone(weights, seed=seed)
         self._init_head(seed=seed, std=head_init_std)
-        self._update_calls = 0
-        self.train: TrainState = build_train_state(
-            self.model.chunks,
-            self.model.config,
-            lr=lr,
-            weight_decay=weight_decay,
-            betas=tuple(betas),
-            eps=eps,
-            clip_grad=clip_grad,
-            warmup_steps=warmup_steps,
-            schedule=schedule,
-            min_lr=min_lr,
-            total_steps=total_steps,
-        )
+        self._attach_optimizer(optimizer)
 
     def _load_backbone(self, weights, *, seed: int) -> None:
         if weights is None:
@@ -150,104 +130,41 @@ class ValueEngine(MegatronEngine):
 
     # ------------------------------------------------------------------ inference
 
-    def compute_values(
-        self,
-        *,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        response_length: int,
-        micro_batch_size: int,
-        max_tokens_per_microbatch: int | None = None,
-    ) -> Tensor:
+    def compute_values(self, rows: Rows, *, batching: Batching) -> Tensor:
         """Values [B, R] (float32 CPU, on every rank): V_t read at position P + t - 1 (module docstring).
 
         Values at response padding positions are meaningless (mask them).
         """
-        cpu_compat.install()
+        response_length = rows["responses"].shape[1]
 
         def loss_fn(mb, output):
             values = response_values(mb, output, response_length=response_length)
             return output.new_zeros(()), {"values": values.cpu()}
 
-        return self._forward_rows(
-            {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-            micro_batch_size=micro_batch_size,
-            max_tokens_per_microbatch=max_tokens_per_microbatch,
-            loss_fn=loss_fn,
-            shapes={"values": (input_ids.shape[0], response_length)},
-        )["values"]
+        shape = (rows["input_ids"].shape[0], response_length)
+        return self._forward_rows(rows, batching=batching, loss_fn=loss_fn, shapes={"values": shape})["values"]
 
     # ------------------------------------------------------------------ training
 
-    def update_critic(
-        self,
-        *,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        response_mask: Tensor,
-        values: Tensor,
-        returns: Tensor,
-        ppo_epochs: int = 1,
-        mini_batch_size: int | None = None,
-        micro_batch_size: int = 8,
-        shuffle: bool = True,
-        seed: int = 0,
-        cliprange_value: float = 0.5,
-        loss_agg_mode: str = "token-mean",
-        max_tokens_per_microbatch: int | None = None,
-    ) -> dict[str, float]:
-        """PPO value epochs x (shuffled) mini-batches of this DP rank's share; one optimizer step each.
+    def update(self, rows: Rows, settings: ValueUpdateSettings) -> dict[str, float]:
+        """PPO value epochs x (shuffled) mini-batches of this DP rank's rows; one optimizer step each.
 
         `values` are the rollout-time values (the clipping anchor), `returns` the GAE targets,
-        both [B, R]. Normalisation as in `PolicyEngine.update_policy` (global token counts).
+        both [B, R]. Normalisation as in `PolicyEngine.update` (global token counts).
         Returns the mean over mini-batches of critic/{vf_loss, vf_clipfrac, grad_norm, lr}.
         """
-        cpu_compat.install()
-        response_length = response_mask.shape[1]
-        data = {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "response_mask": response_mask.float(),
-            "values": values.float(),
-            "returns": returns.float(),
-        }
-        loss_settings = dict(
-            response_length=response_length, cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode
-        )
-        return self._epochs_of_mini_batches(
-            data,
-            ppo_epochs=ppo_epochs,
-            mini_batch_size=mini_batch_size,
-            micro_batch_size=micro_batch_size,
-            max_tokens_per_microbatch=max_tokens_per_microbatch,
-            shuffle=shuffle,
-            seed=seed,
-            step=lambda mini, micro: self._value_mini_batch(mini, micro, loss_settings),
-        )
+        data = pick(rows, UPDATE_KEYS, as_float=("response_mask", "values", "returns"))
+        loss_settings = dict(response_length=data["response_mask"].shape[1], cliprange_value=settings.cliprange_value,
+                             loss_agg_mode=settings.loss_agg_mode)
 
-    def _value_mini_batch(self, mini: dict[str, Tensor], micro: MicroBatches, loss_settings: dict) -> dict[str, float]:
-        loss_fn = functools.partial(
-            critic_loss,
-            scale=loss_scale(len(micro)),
-            normalisers=global_normalisers(mini["response_mask"]),
-            **loss_settings,
-        )
-        outputs, grad_norm, lr = self._optimizer_step(self.train, micro, loss_fn)
-        return {**_reduce_critic_metrics(outputs), "critic/grad_norm": grad_norm, "critic/lr": lr}
+        def step(mini: dict[str, Tensor], micro: MicroBatches) -> dict[str, float]:
+            loss_fn = functools.partial(
+                critic_loss,
+                scale=loss_scale(len(micro)),
+                normalisers=global_normalisers(mini["response_mask"]),
+                **loss_settings,
+            )
+            outputs, grad_norm, lr = self._optimizer_step(self.train, micro, loss_fn)
+            return {**_reduce_critic_metrics(outputs), "critic/grad_norm": grad_norm, "critic/lr": lr}
 
-    # ------------------------------------------------------------------ weights
-
-    def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Replace the backbone with a full HF (policy) state dict; the value head is kept."""
-        cpu_compat.install()
-        hf_weights.load_hf_state_dict(self.model, state_dict, backbone_only=True)
-        self.train.optimizer.reload_model_params()
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
-        """Save weights, optimizer and LR schedule to `ckpt_dir`; collective (see `checkpoint`)."""
-        return self._save_checkpoint(ckpt_dir, tokenizer_path=None)
+        return self._epochs_of_mini_batches(data, settings, step)

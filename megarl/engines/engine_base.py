@@ -1,9 +1,12 @@
-"""What the policy and value engines share: micro-batching, forward passes over rows, PPO-style
-epochs of mini-batches, and checkpoints.
+"""What the policy and value engines share: the `TrainEngine` methods that do not depend on the head.
 
-`MegatronEngine` is a mixin: a subclass sets `model` (`gpt.GPTModelChunks`), `train`
-(`TrainState`, or None for a frozen model), `hf_config` and `_update_calls` (how many
-update calls were made, which seeds each call's shuffle and is saved in checkpoints).
+Micro-batching, forward passes over rows, PPO-style epochs of mini-batches with one
+optimizer step each, checkpoints, optimizer reset, named weight shards for the sync,
+and offload/onload. A subclass builds `model` (`gpt.GPTModelChunks`), `train`
+(`TrainState`, or None for a frozen model) and `hf_config`, and implements the
+methods of its head (log-probs and SFT for the policy, values for the critic).
+`_update_calls` counts update calls: it seeds each call's shuffle and is saved in
+checkpoints, so a resumed run shuffles as the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from pathlib import Path
 
 import torch
 
-from megarl.engines import checkpoint, cpu_compat
+from megarl.config.settings import Batching, OptimizerSettings
+from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights, offload
+from megarl.engines.gpt import GPTModelChunks
 from megarl.engines.losses import dp_sum
-from megarl.engines.optim import TrainState
+from megarl.engines.optim import TrainState, build_train_state
+from megarl.engines.protocol import Rows, WeightShards
 from megarl.engines.schedule import (
     MicroBatches,
     broadcast_from_last_stage,
@@ -25,19 +31,74 @@ from megarl.engines.schedule import (
 )
 
 Tensor = torch.Tensor
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 def global_normalisers(response_mask: Tensor) -> dict[str, float]:
-    """A mini-batch's response tokens and sequences summed over DP: what its losses divide by, so the
-    gradient does not depend on how the rows are split into micro-batches or over ranks."""
-    tokens, seqs = dp_sum([response_mask.sum().item(), response_mask.shape[0]]).tolist()
+    """A mini-batch's response tokens and non-empty sequences summed over DP: what its losses divide by, so
+    the gradient does not depend on how the rows are split into micro-batches or over ranks."""
+    non_empty = (response_mask.sum(-1) > 0).sum().item()
+    tokens, seqs = dp_sum([response_mask.sum().item(), non_empty]).tolist()
     return {"global_tokens": max(tokens, 1.0), "global_seqs": max(seqs, 1.0)}
 
 
+def pick(rows: Rows, keys: tuple[str, ...], *, as_float: tuple[str, ...] = ()) -> dict[str, Tensor]:
+    """The `keys` of `rows` (those in `as_float` as float32); KeyError naming what is missing."""
+    missing = [key for key in keys if key not in rows]
+    if missing:
+        raise KeyError(f"engine input lacks {missing} (has {sorted(rows.keys())})")
+    return {key: rows[key].float() if key in as_float else rows[key] for key in keys}
+
+
 class MegatronEngine:
+    model: GPTModelChunks
     train: TrainState | None
     hf_config: dict
-    _update_calls: int
+    tokenizer_path: str | None = None
+    _update_calls: int = 0
+    _offloaded: bool = False
+    _backbone_only = False  # a value model keeps its own head when it loads a policy's weights
+
+    def _build(self, hf_config: dict, *, params_dtype, value_head: bool) -> None:
+        """The model of this rank (at the layout Megatron was initialised with); weights are loaded by the head."""
+        cpu_compat.install()
+        self.hf_config = dict(hf_config)
+        self.model = gpt.build_gpt(hf_config, params_dtype=params_dtype, value_head=value_head)
+        self._update_calls = 0
+
+    def _attach_optimizer(self, optimizer: OptimizerSettings | None) -> None:
+        """Trainable with `optimizer` (DDP, optimizer, LR schedule); frozen without (no gradients at all)."""
+        self.train = None if optimizer is None else build_train_state(self.model.chunks, self.model.config, optimizer)
+        if optimizer is None:
+            for chunk in self.model.chunks:
+                chunk.requires_grad_(False)
+
+    # ------------------------------------------------------------------ capabilities of a head
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"{type(self).__name__} ({self._kind()}) has no {what}")
+
+    def _kind(self) -> str:
+        return "trainable" if self.train is not None else "frozen"
+
+    def compute_log_prob(self, rows: Rows, *, temperature: float, with_entropy: bool, batching: Batching):
+        self._unsupported("log-probs")
+
+    def compute_values(self, rows: Rows, *, batching: Batching) -> Tensor:
+        self._unsupported("values")
+
+    def update(self, rows: Rows, settings) -> dict[str, float]:
+        self._unsupported("update")
+
+    def sft_step(self, rows: Rows, *, batching: Batching, lr: float) -> dict[str, float]:
+        self._unsupported("supervised step")
+
+    def _require_trainable(self) -> TrainState:
+        if self.train is None:
+            self._unsupported("optimizer (built frozen, as a reference)")
+        return self.train
+
+    # ------------------------------------------------------------------ forward and update plumbing
 
     @property
     def _chunks(self) -> list[torch.nn.Module]:
@@ -47,62 +108,51 @@ class MegatronEngine:
         for chunk in self._chunks:
             chunk.train(training)
 
-    def _micro_batches(
-        self, batch: dict[str, Tensor], micro_batch_size: int, max_tokens_per_microbatch: int | None
-    ) -> MicroBatches:
+    def _micro_batches(self, batch: dict[str, Tensor], batching: Batching) -> MicroBatches:
         return make_micro_batches(
             batch,
-            micro_batch_size=micro_batch_size,
-            max_tokens_per_microbatch=max_tokens_per_microbatch,
+            micro_batch_size=batching.micro_batch_size,
+            max_tokens_per_microbatch=batching.max_tokens_per_microbatch,
             num_chunks=len(self._chunks),
         )
 
     def _forward_rows(
-        self,
-        batch: dict[str, Tensor],
-        *,
-        micro_batch_size: int,
-        max_tokens_per_microbatch: int | None,
-        loss_fn: Callable,
-        shapes: dict[str, tuple[int, ...]],
+        self, rows: Rows, *, batching: Batching, loss_fn: Callable, shapes: dict[str, tuple[int, ...]]
     ) -> dict[str, Tensor]:
-        """Forward-only pass over `batch`; per key of `shapes`, the rows `loss_fn` returned under that key,
-        in input order, on every pipeline stage (the last stage computes them)."""
+        """Forward-only pass over the sequences of `rows`; per key of `shapes`, the rows `loss_fn` returned under
+        that key, in input order, on every pipeline stage (the last stage computes them)."""
+        cpu_compat.install()
         self._set_mode(False)
-        micro = self._micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
+        micro = self._micro_batches(pick(rows, SEQUENCE_KEYS), batching)
         with torch.no_grad():
             outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=True)
         collected = {}
         for key, shape in shapes.items():
-            rows = micro.scatter_rows([o[key] for o in outputs], shape[0]) if is_output_stage() else None
-            collected[key] = broadcast_from_last_stage(rows, shape)
+            gathered = micro.scatter_rows([o[key] for o in outputs], shape[0]) if is_output_stage() else None
+            collected[key] = broadcast_from_last_stage(gathered, shape)
         return collected
 
     def _epochs_of_mini_batches(
         self,
         data: dict[str, Tensor],
-        *,
-        ppo_epochs: int,
-        mini_batch_size: int | None,
-        micro_batch_size: int,
-        max_tokens_per_microbatch: int | None,
-        shuffle: bool,
-        seed: int,
+        settings,
         step: Callable[[dict[str, Tensor], MicroBatches], dict[str, float]],
     ) -> dict[str, float]:
-        """`ppo_epochs` passes over `data` in (shuffled) mini-batches, `step(mini, micro)` on each;
-        the mean of the steps' metrics. The shuffle is seeded by `seed` and the update call count."""
+        """`settings.epochs` passes over `data` in (shuffled) mini-batches of `settings.mini_batch_size` rows,
+        `step(mini, micro)` on each; the mean of the steps' metrics. The shuffle is seeded by `settings.seed` and
+        the update call count."""
+        cpu_compat.install()
         self._set_mode(True)
         rows = next(iter(data.values())).shape[0]
-        mini_batch_size = mini_batch_size or rows
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + self._update_calls)
+        mini_batch_size = settings.mini_batch_size
+        generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + self._update_calls)
         self._update_calls += 1
         history: list[dict[str, float]] = []
-        for _ in range(ppo_epochs):
-            order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
+        for _ in range(settings.epochs):
+            order = torch.randperm(rows, generator=generator) if settings.shuffle else torch.arange(rows)
             for start in range(0, rows, mini_batch_size):
                 mini = {key: value[order[start : start + mini_batch_size]] for key, value in data.items()}
-                history.append(step(mini, self._micro_batches(mini, micro_batch_size, max_tokens_per_microbatch)))
+                history.append(step(mini, self._micro_batches(mini, settings.batching)))
         return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
 
     def _optimizer_step(self, train: TrainState, micro: MicroBatches, loss_fn: Callable) -> tuple[list, float, float]:
@@ -112,21 +162,60 @@ class MegatronEngine:
         grad_norm, lr = train.step()
         return outputs, grad_norm, lr
 
-    def _save_checkpoint(self, ckpt_dir: str | Path, *, tokenizer_path: str | None) -> Path:
+    # ------------------------------------------------------------------ weights
+
+    def weight_shards(self) -> WeightShards:
+        shards = {
+            (chunk_index, name): tensor
+            for chunk_index, chunk in enumerate(self.model.chunks)
+            for name, tensor in chunk.state_dict().items()
+            if isinstance(tensor, Tensor)  # megatron also keeps `_extra_state` entries
+        }
+        return WeightShards(shards, len(self.model.chunks), self.model.arch, self.model.padded_vocab)
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Full HF-named float32 CPU weights on every rank (collective over TP and PP)."""
+        cpu_compat.install()
+        return hf_weights.hf_state_dict(self.model)
+
+    def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        cpu_compat.install()
+        hf_weights.load_hf_state_dict(self.model, state_dict, backbone_only=self._backbone_only)
+        if self.train is not None:
+            # A bf16 model trains fp32 main copies inside the optimizer: refresh them too.
+            self.train.optimizer.reload_model_params()
+
+    # ------------------------------------------------------------------ checkpoints and memory
+
+    def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
+        """Weights (+ optimizer and LR schedule when trainable) to `ckpt_dir`, loadable at any layout; collective.
+        `megarl export` turns it into an HF checkpoint."""
         cpu_compat.install()
         return checkpoint.save_checkpoint(
             self.model,
             self.train,
             ckpt_dir,
             hf_config=self.hf_config,
-            tokenizer_path=tokenizer_path,
+            tokenizer_path=self.tokenizer_path,
             engine_state={"update_calls": self._update_calls},
         )
 
-    def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool = True) -> None:
+    def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool) -> None:
         """Load a checkpoint saved at any layout; collective. `load_optimizer=False` restores
         only the weights (the optimizer and LR schedule keep their current state)."""
         cpu_compat.install()
         engine_state = checkpoint.load_checkpoint(self.model, self.train, ckpt_dir, load_optimizer=load_optimizer)
         if load_optimizer:
             self._update_calls = int(engine_state.get("update_calls", self._update_calls))
+
+    def reset_optimizer_state(self) -> None:
+        self._require_trainable().reset_state()
+
+    def offload(self, *, weights: bool) -> None:
+        self._offloaded = offload.offload(self.model.chunks, self.train, weights=weights,
+                                          mixed_precision=self.model.config.bf16 or self.model.config.fp16)
+
+    def onload(self) -> None:
+        if self._offloaded:
+            offload.onload(self.model.chunks, self.train)
+            self._offloaded = False

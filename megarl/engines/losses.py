@@ -11,35 +11,22 @@ the gradient does not depend on how a mini-batch is split into micro-batches or 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
 
 from megarl.algorithms.kl import kl_penalty
 from megarl.algorithms.losses import agg_loss, policy_loss
+from megarl.config.settings import PolicyLossSettings
 from megarl.engines.gpt import GPTModelChunks
 from megarl.engines.logprobs import token_log_probs
 from megarl.engines.schedule import broadcast_from_last_stage, is_output_stage
 
 Tensor = torch.Tensor
-PPO_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy")
+# `actor/entropy` is not among them: the step reports it once, from the old_log_prob phase.
+PPO_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 # Ratio metrics are averaged over tokens; the losses are already shares of the mini-batch value.
 _TOKEN_WEIGHTED = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
-
-
-@dataclass(frozen=True)
-class PPOSettings:
-    """The PPO loss settings of one `update_policy` call (the engine's explicit keyword arguments)."""
-
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
-    loss_agg_mode: str
-    entropy_coeff: float
-    use_kl_loss: bool
-    kl_loss_coef: float
-    kl_loss_type: str
 
 
 def dp_sum(values) -> Tensor:
@@ -98,11 +85,12 @@ def ppo_loss(
     temperature: float,
     scale: int,
     normalisers: dict,
-    ppo: PPOSettings,
+    ppo: PolicyLossSettings,
 ) -> tuple[Tensor, dict]:
     """PPO surrogate - entropy_coeff * entropy (+ kl_loss_coef * KL) of one micro-batch, scaled by `scale`."""
+    with_entropy = ppo.entropy_coeff != 0
     log_probs, entropy = response_log_probs(
-        model, mb, logits, response_length=response_length, temperature=temperature, with_entropy=True
+        model, mb, logits, response_length=response_length, temperature=temperature, with_entropy=with_entropy
     )
     mask = mb["response_mask"] * mb["valid_row"].unsqueeze(-1)
     agg = functools.partial(agg_loss, loss_agg_mode=ppo.loss_agg_mode, **normalisers)
@@ -117,12 +105,9 @@ def ppo_loss(
         loss_agg_mode=ppo.loss_agg_mode,
         **normalisers,
     )
-    if ppo.entropy_coeff == 0:
-        entropy = entropy.detach()  # still reported, no graph kept
-    entropy_loss = agg(entropy, mask)
-    loss = pg_loss - ppo.entropy_coeff * entropy_loss
+    loss = pg_loss - ppo.entropy_coeff * agg(entropy, mask) if with_entropy else pg_loss
     tokens = mask.sum().detach()
-    info = {"tokens": tokens, "actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy_loss.detach()}
+    info = {"tokens": tokens, "actor/pg_loss": pg_loss.detach()}
     info.update({name: value * tokens for name, value in pg_metrics.items()})
     if ppo.use_kl_loss:
         kl_loss = agg(kl_penalty(log_probs, mb["ref_log_prob"], ppo.kl_loss_type), mask)

@@ -18,6 +18,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megarl.config.settings import OptimizerSettings
+
 SCHEDULES = ("constant", "linear", "cosine")
 # Megatron computes the grad norm only when clipping; a limit no norm reaches keeps
 # the norm as a metric while never rescaling.
@@ -29,6 +31,19 @@ class TrainState:
     ddp_chunks: list[DistributedDataParallel]
     optimizer: object  # megatron.core.optimizer.MegatronOptimizer
     scheduler: OptimizerParamScheduler
+
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers under megatron's wrapper (one per parameter group family when chained)."""
+        return [inner.optimizer for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    def has_state(self) -> bool:
+        """Adam creates its moments at the first step; before that there is no state to save or offload."""
+        return any(len(optimizer.state) > 0 for optimizer in self.torch_optimizers())
+
+    def reset_state(self) -> None:
+        """Forget Adam's moments; the next step starts them afresh (the LR schedule is kept)."""
+        for optimizer in self.torch_optimizers():
+            optimizer.state.clear()
 
     def zero_grad(self) -> None:
         for chunk in self.ddp_chunks:
@@ -57,21 +72,11 @@ class TrainState:
         return float(grad_norm if grad_norm is not None else float("nan"))
 
 
-def build_train_state(
-    chunks: list[torch.nn.Module],
-    config: TransformerConfig,
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-    clip_grad: float,
-    warmup_steps: int,
-    schedule: str,
-    min_lr: float,
-    total_steps: int | None,
-) -> TrainState:
-    """Wrap `chunks` in DDP, build the optimizer and scheduler, and hook them into `config`."""
+def build_train_state(chunks: list[torch.nn.Module], config: TransformerConfig, settings: OptimizerSettings) -> TrainState:
+    """Wrap `chunks` in DDP, build the optimizer and scheduler from `settings`, and hook them into `config`."""
+    lr, weight_decay, clip_grad, min_lr = settings.lr, settings.weight_decay, settings.clip_grad, settings.min_lr
+    schedule, warmup_steps, total_steps, betas = (settings.schedule, settings.warmup_steps, settings.total_steps,
+                                                  settings.betas)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
     if schedule != "constant" and (total_steps is None or total_steps <= warmup_steps):
@@ -90,7 +95,7 @@ def build_train_state(
             weight_decay=weight_decay,
             adam_beta1=betas[0],
             adam_beta2=betas[1],
-            adam_eps=eps,
+            adam_eps=settings.eps,
             clip_grad=clip_grad if clip_grad > 0 else _NO_CLIP,
             bf16=config.bf16,
             fp16=config.fp16,

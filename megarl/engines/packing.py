@@ -94,10 +94,6 @@ def pack_rows(batch: dict[str, Tensor], rows: list[int], *, pad_to: int | None =
     return packed
 
 
-def sequence_lengths(attention_mask: Tensor) -> list[int]:
-    return attention_mask.bool().sum(-1).tolist()
-
-
 def padding_fraction(real_tokens: int, computed_tokens: int) -> float:
     """Share of the computed token slots that hold padding."""
     return 0.0 if computed_tokens == 0 else 1.0 - real_tokens / computed_tokens

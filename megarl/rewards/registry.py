@@ -1,19 +1,23 @@
-"""Which scorer judges which `data_source`: the defaults, custom scorers by import path, and the
+"""Which scorer judges which `data_source`: the built-ins, custom scorers by import path, and the
 up-front check that every data source of a run has one.
 
 A scorer is `scorer(solution_str, ground_truth, extra_info) -> float | dict` (a dict carries
-"score" plus extra fields to log). Scorers built here are module-level functions or
-`functools.partial`s of them, so they pickle into reward worker processes.
+"score" plus extra fields to log). Built-in scorers are registered by data source in
+`megarl.registry.REWARD_SCORERS`; keyword-only parameters a scorer declares (`method`,
+`format_score`, `score`) are bound from the recipe's `reward` section. Scorers built here are
+module-level functions or `functools.partial`s of them, so they pickle into reward worker processes.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from megarl.errors import InputError
+from megarl.registry import REWARD_SCORERS
 from megarl.rewards import gsm8k
 from megarl.rewards import math as math_reward
 
@@ -23,12 +27,14 @@ GSM8K_SOURCES = ("openai/gsm8k", "megarl/arithmetic")
 MATH_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500")
 
 
+@REWARD_SCORERS.register(*GSM8K_SOURCES)
 def _score_gsm8k(
     solution_str: str, ground_truth: str, extra_info: dict, *, method: str, format_score: float, score: float
 ) -> float:
     return gsm8k.compute_score(solution_str, ground_truth, method=method, format_score=format_score, score=score)
 
 
+@REWARD_SCORERS.register(*MATH_SOURCES)
 def _score_math(solution_str: str, ground_truth: str, extra_info: dict) -> float:
     return math_reward.compute_score(solution_str, ground_truth)
 
@@ -55,15 +61,15 @@ def build_scorers(
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> dict[str, Scorer]:
-    """Scorers by data source: the defaults, then `custom` ({data_source: "module:function"}) on top.
+    """Scorers by data source: the registered built-ins, then `custom` ({data_source: "module:function"}) on top.
 
-    A custom entry may override a default source or add a new one.
+    A custom entry may override a built-in source or add a new one.
     """
     if gsm8k_method not in ("strict", "flexible"):
         raise ValueError(f"gsm8k_method must be 'strict' or 'flexible', got {gsm8k_method!r}")
-    gsm8k_scorer = functools.partial(_score_gsm8k, method=gsm8k_method, format_score=format_score, score=score)
-    scorers: dict[str, Scorer] = {source: gsm8k_scorer for source in GSM8K_SOURCES}
-    scorers.update({source: _score_math for source in MATH_SOURCES})
+    options = {"method": gsm8k_method, "format_score": format_score, "score": score}
+    scorers: dict[str, Scorer] = {source: _bind_options(REWARD_SCORERS.get(source).target, options)
+                                  for source in REWARD_SCORERS}
     problems = []
     for data_source, import_path in custom.items():
         try:
@@ -73,6 +79,13 @@ def build_scorers(
     if problems:
         raise InputError(problems)
     return scorers
+
+
+def _bind_options(scorer: Scorer, options: Mapping[str, Any]) -> Scorer:
+    """`scorer` with the keyword-only options it declares bound from the reward settings."""
+    declared = [name for name, param in inspect.signature(scorer).parameters.items()
+                if param.kind is inspect.Parameter.KEYWORD_ONLY]
+    return functools.partial(scorer, **{name: options[name] for name in declared}) if declared else scorer
 
 
 def check_data_sources(sources: Iterable[str], scorers: Mapping[str, Scorer]) -> None:

@@ -1,7 +1,7 @@
 """A trainer rank's weight-sync state across steps: plan, groups, clients and transports, built once.
 
 `EngineWeightSync.push` is what `MegatronWorker.push_weights` runs on every rank
-of the actor: it takes the rank's model chunks and coordinates, builds the plan
+of the actor: it takes the rank's weight shards and coordinates, builds the plan
 and the sync groups on first use, and keeps one `WeightSyncer` per (transport,
 settings, server set), so a distributed transport's broadcast groups live across
 steps. A push to a different server set that overlaps a known one means those
@@ -15,15 +15,13 @@ Every rank must make the same calls in the same order (they are collective).
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
+from typing import Any
 
-import torch
-
+from megarl.config.settings import WeightSyncSettings
 from megarl.models import experts_per_rank
 from megarl.models.spec import Arch
 from megarl.rollout.client import RolloutClient
 from megarl.weightsync import make_transport
-from megarl.weightsync.gather import local_shards
 from megarl.weightsync.groups import RankCoords, SyncGroups
 from megarl.weightsync.plan import ReshardPlan, TrainerLayout, build_plan
 from megarl.weightsync.session import WeightSyncError
@@ -42,35 +40,32 @@ class EngineWeightSync:
 
     def push(
         self,
+        weights: Any,
         *,
-        chunks: list[torch.nn.Module],
-        arch: Arch,
-        padded_vocab: int,
         coords: RankCoords,
         urls: list[str],
         api_key: str | None,
         version: object,
-        transport: str,
-        bucket_mb: float,
-        verify: str,
-        timeout_s: float,
-        disk_dir: str | Path | None,
+        settings: WeightSyncSettings,
     ) -> dict[str, float] | None:
-        """One sync of this rank's chunks to `urls` under `version`; metrics on trainer rank 0, else None."""
+        """One sync of this rank's `weights` (an engine's `WeightShards`: Megatron-named shards per chunk,
+        the arch and the padded vocab) to `urls` under `version`; metrics on trainer rank 0, else None."""
+        verify, timeout_s, transport = settings.verify, settings.timeout_s, settings.transport
         if verify not in VERIFY_MODES:
             raise ValueError(f"weight_sync.verify: {verify!r} is not one of {VERIFY_MODES}")
-        local = local_shards(chunks)
+        local, arch, padded_vocab = weights.shards, weights.arch, weights.padded_vocab
         dtype = next(iter(local.values())).dtype
         coords = _with_expert_parallel(coords, arch, local)
         if self._groups is None:
             self._groups = SyncGroups.build(coords, timeout_s=timeout_s)
-        layout = TrainerLayout(tp=coords.tp_size, pp=coords.pp_size, vpp=len(chunks), dp=coords.dp_size,
+        layout = TrainerLayout(tp=coords.tp_size, pp=coords.pp_size, vpp=weights.num_chunks, dp=coords.dp_size,
                                ep=coords.ep_size)
-        plan_key = (layout, dtype, int(bucket_mb * 2**20), padded_vocab)
+        plan_key = (layout, dtype, int(settings.bucket_mb * 2**20), padded_vocab)
         if plan_key not in self._plans:
             self._plans[plan_key] = build_plan(arch, layout, dtype=dtype, bucket_bytes=plan_key[2],
                                                padded_vocab=padded_vocab)
         servers = tuple(urls)
+        disk_dir = settings.disk_dir
         key = (servers, api_key, transport, plan_key, verify, timeout_s, str(disk_dir))
         self._drop_restarted(servers, keep=key)
         reused = key in self._syncers

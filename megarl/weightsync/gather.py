@@ -30,16 +30,6 @@ Tensor = torch.Tensor
 LocalShards = Mapping[tuple[int, str], Tensor]  # (VPP chunk, local name) -> this rank's shard
 
 
-def local_shards(chunks: list[torch.nn.Module]) -> dict[tuple[int, str], Tensor]:
-    """The tensors of this rank's model chunks (one per VPP stage), keyed as the plan expects."""
-    return {
-        (vpp_rank, name): tensor
-        for vpp_rank, chunk in enumerate(chunks)
-        for name, tensor in chunk.state_dict().items()
-        if isinstance(tensor, Tensor)  # megatron also keeps `_extra_state` entries
-    }
-
-
 class StageAssembler:
     """Turns `local` shards into this stage's buckets; call it for every bucket of the stage, in order, on
     every TP rank of DP replica 0 (it is collective over the TP group). Only TP rank 0 gets a buffer filled."""

@@ -1,0 +1,84 @@
+"""`TrainEngine`: what a training-side engine rank offers the worker that hosts it.
+
+The Megatron policy (actor, and the frozen reference) and the value model
+implement it; the controller's worker and everything above it use only these
+methods, never Megatron objects. A method an engine does not support (values
+from a policy, an update of a frozen reference) raises `NotImplementedError`
+naming the engine. Every method is called on all ranks of the engine with the
+same arguments (the ranks of one DP replica receive the same rows): most are
+collectives over the engine's process groups.
+
+Row inputs are mappings of `[B, ...]` tensors keyed as in the step's batch
+(DESIGN.md §1): `input_ids`, `attention_mask`, `position_ids` ([B, P + R]),
+`responses` ([B, R]), and for updates `response_mask`, `old_log_probs`,
+`advantages`, `ref_log_prob`, `values`, `returns`, `loss_mask`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megarl.config.settings import Batching, PolicyUpdateSettings, ValueUpdateSettings
+from megarl.models.spec import Arch
+
+Tensor = torch.Tensor
+Rows = Mapping[str, Tensor]
+
+
+@dataclass(frozen=True)
+class WeightShards:
+    """This rank's weights as the weight sync reads them: Megatron-named tensors per model chunk.
+
+    `shards[(chunk, name)]` is the local shard of parameter `name` of virtual-pipeline chunk
+    `chunk`; `arch` and `padded_vocab` let the resharding plan map them back to HF tensors.
+    """
+
+    shards: dict[tuple[int, str], Tensor]
+    num_chunks: int
+    arch: Arch
+    padded_vocab: int
+
+
+@runtime_checkable
+class TrainEngine(Protocol):
+    def compute_log_prob(self, rows: Rows, *, temperature: float, with_entropy: bool,
+                         batching: Batching) -> tuple[Tensor, Tensor | None]:
+        """(log-probs [B, R], entropy [B, R] or None) of the response tokens, on every rank."""
+
+    def compute_values(self, rows: Rows, *, batching: Batching) -> Tensor:
+        """Values [B, R]: V of the state before each response token, on every rank."""
+
+    def update(self, rows: Rows, settings: PolicyUpdateSettings | ValueUpdateSettings) -> dict[str, float]:
+        """One PPO update (epochs of mini-batches) on this DP rank's rows; its metrics, equal on every rank."""
+
+    def sft_step(self, rows: Rows, *, batching: Batching, lr: float) -> dict[str, float]:
+        """One supervised step on the `loss_mask` tokens at learning rate `lr`."""
+
+    def weight_shards(self) -> WeightShards:
+        """This rank's named weights, for the weight sync."""
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The full HF-named weights, on every rank."""
+
+    def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        """Replace the weights with a full HF state dict (every rank passes the same one)."""
+
+    def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
+        """Weights (and optimizer and LR schedule when trainable), loadable at any layout."""
+
+    def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool) -> None:
+        """Load a checkpoint saved at any layout; `load_optimizer=False` restores only the weights."""
+
+    def reset_optimizer_state(self) -> None:
+        """Forget the optimizer's moments (the LR schedule is kept)."""
+
+    def offload(self, *, weights: bool) -> None:
+        """Move optimizer state and gradient buffers (and the weights when `weights`) to host memory."""
+
+    def onload(self) -> None:
+        """Bring back to the device whatever `offload` moved."""

@@ -1,0 +1,46 @@
+"""The TrainEngine seam: both Megatron engines offer every protocol method with the protocol's signature,
+and the controller reaches engines through those methods alone (an ast walk of megarl/controller)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from megarl.engines.protocol import TrainEngine
+
+CONTROLLER = Path(__file__).resolve().parents[1] / "megarl" / "controller"
+MEMBERS = sorted(name for name, value in vars(TrainEngine).items()
+                 if callable(value) and not name.startswith("_"))
+
+
+def test_the_protocol_covers_the_engine_phases():
+    assert MEMBERS == sorted([
+        "compute_log_prob", "compute_values", "update", "sft_step", "weight_shards", "hf_state_dict",
+        "load_hf_state_dict", "save_checkpoint", "load_checkpoint", "reset_optimizer_state", "offload", "onload",
+    ])
+
+
+@pytest.mark.parametrize("engine", ["actor.PolicyEngine", "critic.ValueEngine"])
+def test_megatron_engines_implement_it_with_the_same_signatures(engine):
+    import importlib
+
+    module, name = engine.split(".")
+    cls = getattr(importlib.import_module(f"megarl.engines.{module}"), name)
+    for member in MEMBERS:
+        ours = inspect.signature(getattr(cls, member))
+        theirs = inspect.signature(getattr(TrainEngine, member))
+        assert list(ours.parameters) == list(theirs.parameters), (engine, member)
+
+
+def test_the_controller_uses_only_protocol_methods_of_an_engine():
+    used = set()
+    for path in CONTROLLER.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            # self.engine.<name>: what the worker calls on its engine
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "engine"):
+                used.add(node.attr)
+    assert used and used <= set(MEMBERS), sorted(used - set(MEMBERS))
