@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from megarl.errors import InputError
+from megarl.errors import InputError, storage_problem
 
 EXIT_BAD_INPUT = 2
 
@@ -33,6 +33,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from megarl.config import dump_recipe, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if not args.offline:
+        from megarl.controller.preflight import check_inputs
+
+        problems = check_inputs(recipe)
+        if problems:
+            raise InputError(problems)
     sys.stdout.write(dump_recipe(recipe))
     return 0
 
@@ -76,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    validate = verbs.add_parser("validate", help="resolve and check a recipe, print it")
+    validate = verbs.add_parser("validate", help="resolve and check a recipe and the files it names, print it")
     _add_recipe_args(validate)
+    validate.add_argument("--offline", action="store_true",
+                          help="check the recipe alone, not the files it names (a cluster recipe on a laptop)")
     validate.set_defaults(run=_cmd_validate)
 
     train = verbs.add_parser("train", help="run a recipe: RL post-training end to end")
@@ -109,9 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except InputError as error:
-        for problem in error.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        problems = error.problems
+    except OSError as error:
+        # A full or read-only disk is the machine's state, not a bug: say which file, no traceback.
+        problem = storage_problem(error)
+        if problem is None:
+            raise
+        problems = [problem]
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

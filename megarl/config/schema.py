@@ -213,8 +213,14 @@ class SftWarmupConfig(Section):
     batch_size: PositiveInt = Field(64, description="samples per warm-up step")
 
 
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
 class Recipe(Section):
-    name: str = Field(description="run name; the run dir is trainer.output_dir/name")
+    name: str = Field(
+        description="run name: letters, digits, '.', '_' and '-' (a plain directory name); the run dir is "
+        "trainer.output_dir/name",
+    )
     seed: int = Field(0, description="global seed (data order, init, sampling)")
     model: ModelConfig = Field(description="policy model")
     data: DataConfig = Field(description="datasets and lengths")
@@ -228,3 +234,12 @@ class Recipe(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="trainer -> rollout sync")
     trainer: TrainerConfig = Field(description="step loop, validation, logging, checkpoints")
     sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="optional supervised warm-up")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_directory_name(cls, name: str) -> str:
+        # The run dir is output_dir/name: a separator or `..` would put it (and its deletions) elsewhere.
+        if not _RUN_NAME.match(name):
+            raise ValueError("must be a plain directory name of at most 128 letters, digits, '.', '_' or '-', "
+                             "starting with a letter or digit")
+        return name

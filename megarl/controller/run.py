@@ -9,11 +9,13 @@ with validation. Everything started here is stopped here, by handle.
 from __future__ import annotations
 
 import secrets
+import shutil
 import tempfile
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
+from megarl import atomic
 from megarl.config import Recipe, dump_recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
@@ -28,6 +30,7 @@ from megarl.controller.checkpointing import refuse_silent_restart, save_step
 from megarl.controller.engine_worker import MegatronWorker
 from megarl.controller.fleet import start_rollout_fleet
 from megarl.controller.placement import plan_pools, total_devices
+from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
@@ -35,6 +38,7 @@ from megarl.controller.tracking import Tracker
 from megarl.controller.trainer import StepSettings, Trainer
 from megarl.controller.validation import validate
 from megarl.controller.worker_group import WorkerGroup
+from megarl.errors import InputError
 from megarl.protocol import Batch
 
 
@@ -110,19 +114,24 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
     """
     import ray
 
-    run_dir = Path(recipe.trainer.output_dir) / recipe.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+    problems = check_checkpoints(recipe)
+    if problems:
+        raise InputError(problems)
+    run_dir = prepare_run_dir(recipe)
     checkpoint = recipe.trainer.checkpoint
     refuse_silent_restart(run_dir, resume=checkpoint.resume)
     data = prepare_data(recipe, run_dir)
     weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
+    # Written once every check passed, so a refused run leaves an earlier run's recipe alone.
+    atomic.write_text(run_dir / "recipe.yaml", dump_recipe(recipe))
 
     with ExitStack() as cleanup:
         if ray_address:
             connect_ray(ray_address)
         elif not ray.is_initialized():
-            start_local_ray(temp_dir=tempfile.mkdtemp(prefix="megarl-ray-"), num_cpus=8)
+            ray_dir = tempfile.mkdtemp(prefix="megarl-ray-")
+            cleanup.callback(shutil.rmtree, ray_dir, True)
+            start_local_ray(temp_dir=ray_dir, num_cpus=8)
             cleanup.callback(ray.shutdown)
         logging = recipe.trainer.logging
         tracker = Tracker(run_dir, total_steps=recipe.trainer.total_steps, jsonl=logging.jsonl,
