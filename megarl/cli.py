@@ -78,6 +78,12 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from megarl.submit.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -109,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     preprocess.add_argument("--output", type=Path, required=True, help="directory for train.parquet/test.parquet")
     preprocess.add_argument("--seed", type=int, default=0, help="seed for generated (arithmetic) data")
     preprocess.set_defaults(run=_cmd_preprocess)
+
+    from megarl.submit.command import add_arguments as add_submit_arguments
+
+    submit = verbs.add_parser("submit", help="run a recipe as a Slurm job (Ray across the nodes)")
+    add_submit_arguments(submit)
+    submit.set_defaults(run=_cmd_submit)
     return parser
 
 

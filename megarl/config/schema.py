@@ -19,6 +19,7 @@ from megarl.errors import InputError
 
 Role = Literal["actor", "critic", "reference", "rollout"]
 _SCORER_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class ModelConfig(Section):
@@ -200,6 +201,22 @@ class TrainerConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpointing")
 
 
+class ClusterConfig(Section):
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variables set on every node of a launched job (megarl submit, launch/local.sh), "
+        "e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_TIMEOUT, GLOO_SOCKET_IFNAME",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = sorted(name for name in env if not _ENV_NAME.match(name))
+        if bad:
+            raise ValueError(f"environment variable names must match [A-Za-z_][A-Za-z0-9_]*: {bad}")
+        return env
+
+
 class SftWarmupConfig(Section):
     steps: NonNegativeInt = Field(
         0, description="most supervised steps on reference solutions before RL; 0 = none"
@@ -234,6 +251,7 @@ class Recipe(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="trainer -> rollout sync")
     trainer: TrainerConfig = Field(description="step loop, validation, logging, checkpoints")
     sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="optional supervised warm-up")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="environment of launched multi-node jobs")
 
     @field_validator("name")
     @classmethod
