@@ -19,7 +19,7 @@ import torch
 from megarl.ports import free_port
 from megarl.models import arch_from_hf, hf_param_shapes, hf_to_megatron, shard_for_rank
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.cpu_engine.checksum import tensor_digest
+from megarl.rollout.weight_wire import tensor_digest
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
 
 API_KEY = "sync-key"

@@ -163,12 +163,13 @@ class MegatronWorker:
         verify: str = "none",
         timeout_s: float = 600.0,
         disk_dir: str | None = None,
+        devices: list[list[str]] | None = None,
     ) -> dict[str, float] | None:
         """Load this policy's weights into every server in `urls` under `version`; metrics on rank 0, else None.
 
         Collective over all ranks. `transport` "tensor", "distributed" or "disk" (`recipe.weight_sync`)
         reshards bucket by bucket through `megarl.weightsync`: each PP stage assembles its buckets
-        over TP and its sender pushes them, stages in parallel.
+        over TP and its sender pushes them. `devices`: per server, its TP ranks' GPU UUIDs (the fleet's).
         """
         from megarl.engines.distributed import parallel_layout
         from megarl.weightsync.engine_sync import EngineWeightSync
@@ -181,6 +182,7 @@ class MegatronWorker:
             chunks=model.chunks, arch=model.arch, padded_vocab=model.padded_vocab,
             coords=RankCoords.from_layout(parallel_layout()), urls=urls, api_key=api_key, version=version,
             transport=transport, bucket_mb=bucket_mb, verify=verify, timeout_s=timeout_s, disk_dir=disk_dir,
+            server_devices=devices,
         )
 
     def close_weight_sync(self) -> None:
