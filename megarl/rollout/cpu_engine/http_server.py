@@ -12,9 +12,9 @@ As strict as SGLang 0.5.23:
   it finishes, else 503 after `--health-check-timeout-s` (SGLang's 20 s): while
   generation is paused (a weight update) they block, then fail.
 - Weight operations (group joins, updates, memory release and resume) are served
-  one at a time, in arrival order. One that comes while generation is not paused
-  first waits for the running requests to finish and holds new ones back
-  (SGLang's model-update lock); while paused it runs at once.
+  one at a time, in arrival order. A weight update that comes while generation is
+  not paused first waits for the running requests to finish and holds new ones
+  back (SGLang's model-update lock); while paused it runs at once.
 - A failure that kills SGLang's scheduler (`engine.FatalError`) is answered with
   500 and then this process exits, as SGLang's server does.
 Any other failing request leaves the server up.
@@ -91,10 +91,13 @@ def build_app(args: EngineArgs) -> FastAPI:
     gate = _ModelUpdateGate()
     weight_ops = asyncio.Lock()  # FIFO: weight operations are served one at a time, in arrival order
 
-    async def weight_op(action, *call_args, **call_kwargs) -> JSONResponse:
-        """Run a blocking engine call as SGLang serves weight operations; its (success, message) as JSON."""
+    async def weight_op(action, *call_args, update: bool = False, **call_kwargs) -> JSONResponse:
+        """Run a blocking engine call as SGLang serves weight operations; its (success, message) as JSON.
+
+        `update`: a weight update, which (unless generation is paused) waits for the model-update gate;
+        SGLang takes that lock for updates only, not for group joins or memory release."""
         async with weight_ops:
-            exclusive = nullcontext() if engine().scheduler.paused else gate.exclusive()
+            exclusive = gate.exclusive() if update and not engine().scheduler.paused else nullcontext()
             async with exclusive:
                 try:
                     success, message = await asyncio.to_thread(action, *call_args, **call_kwargs)
@@ -221,6 +224,7 @@ def build_app(args: EngineArgs) -> FastAPI:
         return await weight_op(
             engine().update_weights_from_tensor,
             body.serialized_named_tensors,
+            update=True,
             load_format=body.load_format,
             flush_cache=body.flush_cache,
             abort_all_requests=body.abort_all_requests,
@@ -232,6 +236,7 @@ def build_app(args: EngineArgs) -> FastAPI:
         reply = await weight_op(
             engine().update_weights_from_disk,
             body.model_path,
+            update=True,
             flush_cache=body.flush_cache,
             abort_all_requests=body.abort_all_requests,
             weight_version=body.weight_version,
@@ -255,7 +260,7 @@ def build_app(args: EngineArgs) -> FastAPI:
     @control_route("/update_weights_from_distributed", UpdateWeightsFromDistributedBody)
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> Response:
         return await weight_op(
-            engine().update_weights_from_distributed,
+            engine().update_weights_from_distributed, update=True,
             names=body.names,
             dtypes=body.dtypes,
             shapes=body.shapes,
