@@ -82,7 +82,11 @@ def test_crossed_group_joins_deadlock_on_servers_that_serve_one_operation_at_a_t
     port_a, port_b = free_port(), free_port()
     with ThreadPoolExecutor(6) as pool:
         first = [pool.submit(join, x, "A", port_a, 1), pool.submit(join, y, "B", port_b, 2)]
-        time.sleep(1.0)  # both servers are inside their first join before the second calls arrive
+        for url in (x, y):  # both servers are inside their first join before the second calls arrive
+            deadline = time.monotonic() + 30
+            while call(url, "/server_info", method="GET")[1]["weight_op_in_progress"] != "init_weights_update_group":
+                assert time.monotonic() < deadline, "the first join never started"
+                time.sleep(0.05)
         second = [pool.submit(join, x, "B", port_b, 1), pool.submit(join, y, "A", port_a, 2)]
         hosts = [pool.submit(host, "A", port_a, 4.0), pool.submit(host, "B", port_b, 4.0)]
         for hosting in hosts:

@@ -88,6 +88,7 @@ class CpuEngine:
         self.context_length = int(self.model.config.max_position_embeddings)
         self.weight_version = args.weight_version
         self.memory = MemorySaver(self.model, cpu_backup=args.enable_weights_cpu_backup)
+        self.weight_op_in_progress: str | None = None  # set by the HTTP layer, reported by /server_info
         self._update_selector: str | None = None
         self._update_groups = UpdateGroups(timeout_s=args.weight_update_group_timeout_s)
         # The newest shared-memory bucket buffers received: a trainer reuses a few buffers,
@@ -325,4 +326,5 @@ class CpuEngine:
             "paused": self.scheduler.paused,
             "weight_update_session_open": self._update_selector is not None,
             "memory_released": sorted(self.memory.released),
+            "weight_op_in_progress": self.weight_op_in_progress,
         }

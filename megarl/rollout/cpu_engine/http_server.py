@@ -99,10 +99,13 @@ def build_app(args: EngineArgs) -> FastAPI:
         async with weight_ops:
             exclusive = gate.exclusive() if update and not engine().scheduler.paused else nullcontext()
             async with exclusive:
+                engine().weight_op_in_progress = action.__name__
                 try:
                     success, message = await asyncio.to_thread(action, *call_args, **call_kwargs)
                 except FatalError as error:
                     return _die(str(error))
+                finally:
+                    engine().weight_op_in_progress = None
         return _result(success, message)
 
     @app.api_route("/health", methods=["GET"])
