@@ -14,9 +14,11 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
-from megarl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, ReferenceConfig, Section
+from megarl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, ReferenceConfig, Section, registered
+from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.errors import InputError
 
+WeightSyncTransport = registered(WEIGHT_SYNC_TRANSPORTS)
 Role = Literal["actor", "critic", "reference", "rollout"]
 _SCORER_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -171,7 +173,7 @@ class PlacementConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    transport: Literal["tensor", "distributed", "disk"] = Field(
+    transport: WeightSyncTransport = Field(
         "tensor", description="tensor: same-device handles (colocated); distributed: broadcast group; disk: files"
     )
     bucket_mb: PositiveInt = Field(512, description="size of one transfer bucket in MiB")
