@@ -1,0 +1,112 @@
+"""The README's architecture table, enforced: an ast walk of every import in megarl/.
+
+Each package may import only itself and the packages above it in the table; the
+top-level helper modules (`megarl/atomic.py`, `errors.py`, `ports.py`, `registry.py`) may be
+imported from anywhere and import no package. Two seams the table alone does not
+show are checked too: production weight sync never reaches into the CPU test
+engine, and Ray placement (placement groups, scheduling strategies) is the
+controller's alone.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megarl"
+BASE_MODULES = ("megarl.atomic", "megarl.errors", "megarl.ports", "megarl.registry")
+PLACEMENT_NAMES = ("placement_group", "PlacementGroupSchedulingStrategy", "remove_placement_group")
+
+
+def _layers() -> list[str]:
+    """The packages of the README's architecture table, top (imported by all) to bottom."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `megarl/([\w.]+)` \|", section, flags=re.M)
+    return ["megarl." + row.removesuffix(".py") for row in rows]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) of every import statement, at any depth (function-level imports count)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, node.module)] + [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return found
+
+
+def _layer_of(module: str, layers: list[str]) -> int | None:
+    for index, layer in enumerate(layers):
+        if module == layer or module.startswith(layer + "."):
+            return index
+    return None
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_table_names_every_package():
+    layers = _layers()
+    assert layers[:2] == ["megarl.config", "megarl.protocol"] and layers[-1] == "megarl.cli"
+    packages = {f"megarl.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists() and p.name != "assets"}
+    assert packages <= set(layers), sorted(packages - set(layers))
+
+
+def test_no_import_goes_down_the_table():
+    layers = _layers()
+    problems = []
+    for path in SOURCES:
+        module = _module_name(path)
+        if module in BASE_MODULES:
+            own = None  # may import no layer at all
+        elif module in ("megarl", "megarl.__main__"):
+            continue  # the package marker and `python -m megarl` (the CLI)
+        else:
+            own = _layer_of(module, layers)
+            assert own is not None, f"{module} is in no layer of the README table"
+        for line, imported in _imports(path):
+            if not imported.startswith("megarl.") or imported in BASE_MODULES or _layer_of(imported, layers) is None:
+                continue
+            target = _layer_of(imported, layers)
+            if own is None or target > own:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {imported}")
+    assert not problems, "\n".join(problems)
+
+
+def test_weight_sync_never_imports_the_cpu_engine():
+    offending = [f"{path.relative_to(ROOT)}:{line}: {name}"
+                 for path in SOURCES if _module_name(path).startswith("megarl.weightsync")
+                 for line, name in _imports(path) if name.startswith("megarl.rollout.cpu_engine")]
+    assert not offending, offending
+
+
+def test_ray_placement_lives_in_the_controller_only():
+    offending = []
+    for path in SOURCES:
+        if _module_name(path).startswith("megarl.controller"):
+            continue
+        for line, name in _imports(path):
+            if name.rsplit(".", 1)[-1] in PLACEMENT_NAMES or name.startswith("ray.util.placement_group"):
+                offending.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not offending, offending
+
+
+@pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "LOSS_AGG_MODES", "KL_PENALTIES",
+                                           "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
+def test_each_registry_loads_its_builtins_from_a_lower_layer(registry_name):
+    import megarl.registry
+
+    registry = getattr(megarl.registry, registry_name)
+    assert _layer_of(registry.builtins, _layers()) is not None
+    assert registry.names(), f"{registry_name}: {registry.builtins} registered nothing"
