@@ -17,6 +17,7 @@ from megarl.algorithms.masked import masked_count, masked_mean
 
 TIMING_PHASES = (
     "gen",
+    "onload",
     "reward",
     "old_log_prob",
     "ref",
@@ -24,6 +25,7 @@ TIMING_PHASES = (
     "adv",
     "update_critic",
     "update_actor",
+    "offload",
     "update_weights",
     "step",
 )

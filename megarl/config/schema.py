@@ -170,6 +170,12 @@ class PlacementConfig(Section):
         default_factory=dict, description="named resource pools for disaggregated placement (colocate: false)"
     )
     roles: dict[Role, str] = Field(default_factory=dict, description="role -> pool name (colocate: false)")
+    offload: bool = Field(
+        True,
+        description="colocated roles take turns on the devices: the rollout fleet releases its memory while the "
+        "engines train, and the engines move optimizer state, gradients and idle weights to host memory while the "
+        "fleet generates (only with colocate: true)",
+    )
 
 
 class WeightSyncConfig(Section):

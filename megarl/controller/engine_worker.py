@@ -10,6 +10,7 @@ the output (TP rank > 0, or not the last pipeline stage) return None.
 from __future__ import annotations
 
 import os
+import resource
 import socket
 from typing import Any
 
@@ -106,6 +107,12 @@ class MegatronWorker:
 
     def onload(self) -> None:
         self.engine.onload()
+
+    def peak_memory_gb(self) -> float:
+        """This rank's peak memory: device memory on a GPU, the process's resident set on CPU."""
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
                      devices: list[list[str]] | None = None) -> dict[str, float] | None:

@@ -37,6 +37,7 @@ def start_rollout_fleet(
         tp=rollout.tp,
         mem_fraction=rollout.mem_fraction,
         sglang_args=dict(rollout.sglang),
+        enable_memory_saver=sleeps_between_phases(recipe),
     )
     return RolloutFleet(
         spec,
@@ -53,6 +54,11 @@ def start_rollout_fleet(
         use_ray=True,
         placements=host_placements(pool, num_servers=rollout.num_servers, tp=rollout.tp),
     )
+
+
+def sleeps_between_phases(recipe: Recipe) -> bool:
+    """Whether the fleet and the engines take turns on the devices (`megarl.controller.memory`)."""
+    return recipe.placement.colocate and recipe.placement.offload
 
 
 def host_placements(pool: ResourcePool, *, num_servers: int, tp: int) -> list[HostPlacement]:

@@ -13,6 +13,7 @@ import torch
 
 from megarl.algorithms.metrics import entropy_metric
 from megarl.config.settings import Batching, PolicyUpdateSettings, ValueUpdateSettings, WeightSyncSettings
+from megarl.controller.memory import MemoryCycle, peak_memory_metrics
 from megarl.controller.phases import apply_kl
 from megarl.controller.worker_group import WorkerGroup, mean_metrics
 from megarl.protocol import Batch
@@ -99,6 +100,7 @@ class Roles:
     actor: PolicyRole
     rollout: Any  # megarl.rollout.fleet.RolloutFleet
     reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
+    memory: MemoryCycle
     reference: PolicyRole | None = None
     critic: CriticRole | None = None
     kl_ctrl: Any = None
@@ -116,3 +118,12 @@ class Roles:
     def sync_weights(self, *, version: int) -> dict[str, float]:
         # Through the fleet: it records the version and re-syncs servers it restarts (weight source set in run.py).
         return self.rollout.sync_weights(version=version)
+
+    def peak_memory(self) -> dict[str, float]:
+        """`perf/max_memory_gb/<role>` of every role that reports one."""
+        groups = {"actor": self.actor.group}
+        groups |= {"reference": self.reference.group} if self.reference is not None else {}
+        groups |= {"critic": self.critic.group} if self.critic is not None else {}
+        metrics = peak_memory_metrics(groups)
+        rollout = self.rollout.peak_memory_gb()
+        return metrics | ({"perf/max_memory_gb/rollout": rollout} if rollout is not None else {})

@@ -28,7 +28,8 @@ from megarl.config.settings import (
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import refuse_silent_restart, save_step
 from megarl.controller.engine_worker import MegatronWorker
-from megarl.controller.fleet import start_rollout_fleet
+from megarl.controller.fleet import sleeps_between_phases, start_rollout_fleet
+from megarl.controller.memory import MemoryCycle
 from megarl.controller.placement import plan_pools, total_devices
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
@@ -100,9 +101,12 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                                     settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
     cleanup.callback(actor_group.run, "close_weight_sync")
-    roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference, critic=critic,
-                  kl_ctrl=data.kl_ctrl)
+    idle = [role.group for role in (reference, critic) if role is not None]
+    memory = MemoryCycle(fleet, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
+    roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, memory=memory, reference=reference,
+                  critic=critic, kl_ctrl=data.kl_ctrl)
     roles.sync_weights(version=0)
+    memory.sleep_all()  # the fleet generates first
     return roles
 
 

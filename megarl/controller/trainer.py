@@ -45,9 +45,16 @@ class Trainer:
 
     @contextmanager
     def _timed(self, phase: str):
+        """Time a phase; a phase timed twice in one step (offload) adds up."""
         start = time.perf_counter()
         yield
-        self.timings[phase] = time.perf_counter() - start
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
+
+    def _cycle(self, phase: str, move) -> None:
+        """One direction of the sleep/wake cycle (`controller.memory`), timed only when the cycle runs."""
+        if self.roles.memory.enabled:
+            with self._timed(phase):
+                move()
 
     def step(self, step: int, prompts: Batch) -> dict[str, float]:
         """Run one step on a batch of prompts; returns the step's metrics."""
@@ -62,6 +69,8 @@ class Trainer:
             batch = phases.add_response_mask(batch)
             if s.balance_batch:
                 batch, _ = batch.balance(r.actor.dp_size)
+            actor_updates = step >= s.critic_warmup  # the critic warm-up freezes the actor
+            self._cycle("onload", lambda: r.memory.wake_trainers(actor_updates=actor_updates))
             with self._timed("reward"):
                 batch, reward_metrics = r.score(batch)
             with self._timed("old_log_prob"):
@@ -83,13 +92,17 @@ class Trainer:
             if r.critic is not None:
                 with self._timed("update_critic"):
                     metrics.update(r.critic.update(batch))
-            # During the critic warm-up the actor is frozen: its weights are the fleet's already.
-            if step >= s.critic_warmup:
+            if actor_updates:
                 with self._timed("update_actor"):
                     metrics.update(r.actor.update(batch))
+            self._cycle("offload", r.memory.before_sync)
+            # A frozen actor's weights are the fleet's already: nothing to sync.
+            if actor_updates:
                 with self._timed("update_weights"):
                     metrics.update(r.sync_weights(version=step + 1))
+            self._cycle("offload", r.memory.after_sync)
         metrics.update(reward_metrics)
+        metrics.update(r.peak_memory())
         metrics.update(entropy_metrics)
         metrics.update(self._step_metrics(batch))
         return metrics

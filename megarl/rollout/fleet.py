@@ -209,6 +209,14 @@ class RolloutFleet:
         with RolloutClient(self._serving(), api_key=self.spec.api_key) as client:
             client.resume_memory_occupation(tags)
 
+    def peak_memory_gb(self) -> float | None:
+        """The largest peak resident memory of a CPU-engine server process; None for SGLang, whose memory is on
+        its GPUs, and when no server reports."""
+        if self.spec.backend != "cpu":
+            return None
+        peaks = [peak for server in self._servers if (peak := server.host.call("peak_memory_gb")) is not None]
+        return max(peaks, default=None)
+
     def server_devices(self, urls: list[str]) -> list[list[str]] | None:
         """For each of `urls`, the UUID of each TP rank's GPU; None when the placement gave none (CPU)."""
         if self._devices is None or any(devices is None for devices in self._devices):

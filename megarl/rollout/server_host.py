@@ -125,6 +125,17 @@ class ServerHost:
         """The process's exit status; None while it runs (and before the first start)."""
         return None if self.server is None else self.server.process.poll()
 
+    def peak_memory_gb(self) -> float | None:
+        """The server process's peak resident memory (its VmHWM); None when it is not running."""
+        if self.server is None or self.server.process.poll() is not None:
+            return None
+        try:
+            status = Path(f"/proc/{self.server.pid}/status").read_text()
+        except OSError:
+            return None
+        kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), None)
+        return None if kib is None else kib / 2**20
+
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         """The last `chars` characters of the server's log (read from the end: SGLang logs grow large)."""
         try:

@@ -1,0 +1,75 @@
+"""The sleep/wake cycle of colocated roles: the rollout fleet and the Megatron engines take turns on the devices.
+
+While the fleet generates, the engines hold nothing on the device; while they train,
+the fleet has released its memory (SGLang's memory saver, or the CPU engine that
+imitates it). One step, with `placement.offload` on a colocated placement:
+
+    generate -> wake_trainers: fleet releases kv_cache (+ weights when the actor will
+    be updated), engines onload -> old_log_prob, ref, values, adv, update_critic,
+    update_actor -> before_sync: critic and reference offload everything, the actor its
+    optimizer state and gradients, the fleet resumes its weights -> update_weights ->
+    after_sync: the actor offloads its weights, the fleet resumes its kv_cache.
+
+In a step that does not update the actor (critic warm-up) the fleet keeps its weights,
+since nothing would sync them back. The step loop times each direction as
+`timing_s/onload` and `timing_s/offload`. Without the cycle every call is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megarl.controller.worker_group import WorkerGroup
+
+GENERATION_MEMORY = ["kv_cache", "cuda_graph"]
+
+
+class MemoryCycle:
+    """Drives the fleet's memory release/resume and the engines' offload/onload; `enabled=False` does nothing."""
+
+    def __init__(self, fleet: Any, *, actor: WorkerGroup, idle_groups: Sequence[WorkerGroup], enabled: bool):
+        self.fleet, self.actor, self.idle_groups, self.enabled = fleet, actor, list(idle_groups), enabled
+        self._fleet_weights_released = False
+
+    def _groups(self) -> list[WorkerGroup]:
+        return [self.actor, *self.idle_groups]
+
+    def sleep_all(self) -> None:
+        """Every engine off the device (after set-up, before the first generation)."""
+        if self.enabled:
+            for group in self._groups():
+                group.run("offload", weights=True)
+
+    def wake_trainers(self, *, actor_updates: bool) -> None:
+        """After generation: the fleet gives its memory back, the engines come back onto the device."""
+        if not self.enabled:
+            return
+        self._fleet_weights_released = actor_updates
+        self.fleet.release_memory(GENERATION_MEMORY + (["weights"] if actor_updates else []))
+        for group in self._groups():
+            group.run("onload")
+
+    def before_sync(self) -> None:
+        """After the updates: idle engines off the device, the actor keeps only its weights, the fleet its weights."""
+        if not self.enabled:
+            return
+        for group in self.idle_groups:
+            group.run("offload", weights=True)
+        self.actor.run("offload", weights=False)
+        if self._fleet_weights_released:
+            self.fleet.resume_memory(["weights"])
+
+    def after_sync(self) -> None:
+        """The actor's weights off the device too; the fleet ready to generate."""
+        if not self.enabled:
+            return
+        self.actor.run("offload", weights=True)
+        self.fleet.resume_memory(GENERATION_MEMORY)
+        self._fleet_weights_released = False
+
+
+def peak_memory_metrics(groups: dict[str, WorkerGroup]) -> dict[str, float]:
+    """`perf/max_memory_gb/<role>`: the largest peak of any rank of each role (device memory on GPUs, the
+    process's resident memory on CPU)."""
+    return {f"perf/max_memory_gb/{role}": max(group.run("peak_memory_gb")) for role, group in groups.items()}
