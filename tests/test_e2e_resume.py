@@ -95,9 +95,9 @@ def test_grpo_resume_is_exact_and_continues_metrics_tensorboard_and_other_layout
     assert marker["roles"] == ["actor", "reference"] and marker["step"] == 4
     # TensorBoard, read by its own reader: the redone steps once each, with the redone values.
     for tag in ("critic/score/mean", "actor/entropy", "val/score/mean"):
-        expected = [(r["step"], r[tag]) for r in resumed if tag in r]
-        assert [step for step, _ in _tensorboard_scalars(resumed_dir, tag)] == [step for step, _ in expected]
-        assert _tensorboard_scalars(resumed_dir, tag) == pytest.approx(expected, rel=1e-6)  # stored as float32
+        steps, values = zip(*_tensorboard_scalars(resumed_dir, tag))
+        assert list(steps) == [r["step"] for r in resumed if tag in r]
+        assert list(values) == pytest.approx([r[tag] for r in resumed if tag in r], rel=1e-6)  # stored as float32
     samples = [json.loads(line) for line in (resumed_dir / "samples" / "val_step_4.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"prompt", "response", "score", "data_source", "ground_truth"} <= set(samples[0])
     assert len((resumed_dir / "samples" / "train_step_3.jsonl").read_text().splitlines()) == 2
