@@ -11,9 +11,10 @@ thread at once: servers and workers are still stopped on the way out, but no che
 is written (the newest complete one stays usable). Should even that take longer than
 `HARD_EXIT_S`, the process exits on the spot.
 
-Handlers are replaced only in the main thread and only inside the `with` block. Ray
-starts its processes with SIGINT blocked, so a Ctrl-C in a terminal (sent to the whole
-process group) reaches the driver and leaves the workers to be stopped by it.
+Handlers are replaced only in the main thread and only inside the `with` block, which
+must begin after `ray.init` (Ray installs a SIGTERM handler that ends the process).
+Ray starts its processes with SIGINT blocked, so a Ctrl-C in a terminal (sent to the
+whole process group) reaches the driver and leaves the workers to be stopped by it.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class Preemption:
 
     def __exit__(self, *exc_info) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # None: the previous handler was not Python's (Ray's, installed in C); it cannot be put back.
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         for timer in self._timers:
             timer.cancel()
 

@@ -148,7 +148,7 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
     weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
     checkpoint = recipe.trainer.checkpoint
 
-    with Preemption(checkpoint.preempt_timeout_s) as preemption, controller_log(run_dir), ExitStack() as cleanup:
+    with controller_log(run_dir), ExitStack() as cleanup:
         tracker = _tracker(recipe, run_dir, resume_from)
         cleanup.callback(tracker.close)
         if ray_address:
@@ -156,6 +156,8 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
         elif not ray.is_initialized():
             start_local_ray(temp_dir=tempfile.mkdtemp(prefix="megarl-ray-"), num_cpus=8)
             cleanup.callback(ray.shutdown)
+        # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
+        preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
         pools = plan_pools(recipe)
         roles = _start_roles(recipe, pools=pools, weights=weights, data=data, run_dir=run_dir, tracker=tracker,
                              cleanup=cleanup, resume_from=resume_from, preemption=preemption)
