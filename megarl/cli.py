@@ -2,7 +2,9 @@
 
 Every verb imports its implementation lazily so `megarl schema` does not pay
 for torch or ray. Bad input (`megarl.errors.InputError`) prints one line per
-problem on stderr and exits with status 2, never a traceback.
+problem on stderr and exits with status 2, never a traceback. `megarl train`
+stopped by SIGTERM/SIGINT after writing its checkpoint exits with status 75
+(`megarl.controller.preemption.EXIT_PREEMPTED`).
 """
 
 from __future__ import annotations

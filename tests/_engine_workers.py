@@ -270,6 +270,7 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
     set_model_parallel(tp=1, pp=1)
     for label, load_optimizer in (("resumed", True), ("weights_only", False)):
         resumed = policy_engine(None, optim=optimizer(**train), seed=99, hf_config=hf_config)
+        draws()  # moves the streams off the freshly seeded state the saving engine also started from
         resumed.load_checkpoint(ckpt_dir, load_optimizer=load_optimizer)
         out[f"{label}_rng"] = draws()
         out[f"{label}_loaded_weights"] = resumed.hf_state_dict()
@@ -282,7 +283,7 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
 
     set_model_parallel(tp=2, pp=2)  # back at the saved layout, the RNG streams come back too
     again = policy_engine(None, optim=optimizer(**train), seed=7, hf_config=hf_config)
-    draws()
+    draws()  # as above
     again.load_checkpoint(ckpt_dir, load_optimizer=True)
     out["same_layout_rng"] = draws()
     return out

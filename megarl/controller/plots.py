@@ -13,6 +13,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from megarl.controller.metrics_file import read_metrics
 from megarl.errors import InputError
@@ -91,6 +92,8 @@ def build_figure(runs: list[tuple[str, list[dict]]]) -> Figure:
         _line_panel(figure.add_subplot(grid[index // 2, index % 2]), title, runs)
     for index, (name, records) in enumerate(runs):
         _timing_panel(figure.add_subplot(grid[3 + index, :]), name, records)
+    for axes in figure.axes:
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps
     figure.suptitle(" vs ".join(name for name, _ in runs))
     return figure
 
