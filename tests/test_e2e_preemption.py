@@ -97,6 +97,10 @@ class Driver:
         for pid in self.pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        # A process killed by SIGKILL cannot unlink its shared memory: remove what the run's processes made.
+        for name in set(os.listdir("/dev/shm")) - self.shm_before:
+            if (match := TORCH_SHM.match(name)) and int(match.group(1)) in self.pids:
+                os.unlink(f"/dev/shm/{name}")
 
 
 def _alive(pid: int) -> bool:
@@ -170,7 +174,7 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(ray_session, tmp_
         driver.process.kill()
         driver.wait()
     finally:
-        driver.leftovers(grace_s=10)
+        driver.leftovers(grace_s=10)  # what SIGKILL leaves (Ray's agents, a bucket file) is cleaned up here
         driver.kill_leftovers()
     assert partial.is_dir() and not (partial / MARKER).exists() and _complete_steps(run_dir) == [1, 3]
 
