@@ -156,3 +156,20 @@ def test_start_over_moves_the_old_run_dir_aside_never_deletes_it(tmp_path):
     assert (aside / "checkpoints" / "step_2" / MARKER).is_file() and (aside / "metrics.jsonl").is_file()
     assert sorted(p.name for p in run_dir.iterdir()) == ["recipe.yaml"]
     assert str(aside) in said[0]
+
+
+def test_weights_only_saves_and_loads_without_optimizer_state(tmp_path):
+    from megarl.controller.checkpointing import load_step
+
+    recipe, run_dir, roles = _recipe(tmp_path), tmp_path / "run", _roles()
+    checkpoint = save_step(roles, run_dir, step=1, controller_state={"step": 1}, recipe_text=dump_recipe(recipe),
+                           keep_last=0, weights_only=True)
+    assert checkpoint.weights_only and json.loads((checkpoint.path / MARKER).read_text())["weights_only"] is True
+    assert json.loads((checkpoint.path / "actor" / "metadata.json").read_text())["weights_only"] is True
+
+    calls = []
+    recording = SimpleNamespace(run=lambda method, path, **kwargs: calls.append((method, Path(path).name, kwargs)))
+    load_step(SimpleNamespace(actor=SimpleNamespace(group=recording), critic=None,
+                              reference=SimpleNamespace(group=recording)), checkpoint)
+    assert calls == [("load_checkpoint", "actor", {"load_optimizer": False}),
+                     ("load_checkpoint", "reference", {"load_optimizer": False})]
