@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from megarl.errors import InputError
+from megarl.errors import InputError, storage_problem
 
 EXIT_BAD_INPUT = 2
 
@@ -35,6 +35,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from megarl.config import dump_recipe, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if not args.offline:
+        from megarl.controller.preflight import check_inputs
+
+        problems = check_inputs(recipe)
+        if problems:
+            raise InputError(problems)
     sys.stdout.write(dump_recipe(recipe))
     return 0
 
@@ -88,12 +94,20 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from megarl.submit.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    validate = verbs.add_parser("validate", help="resolve and check a recipe, print it")
+    validate = verbs.add_parser("validate", help="resolve and check a recipe and the files it names, print it")
     _add_recipe_args(validate)
+    validate.add_argument("--offline", action="store_true",
+                          help="check the recipe alone, not the files it names (a cluster recipe on a laptop)")
     validate.set_defaults(run=_cmd_validate)
 
     train = verbs.add_parser("train", help="run a recipe: RL post-training end to end")
@@ -127,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     preprocess.add_argument("--output", type=Path, required=True, help="directory for train.parquet/test.parquet")
     preprocess.add_argument("--seed", type=int, default=0, help="seed for generated (arithmetic) data")
     preprocess.set_defaults(run=_cmd_preprocess)
+
+    from megarl.submit.command import add_arguments as add_submit_arguments
+
+    submit = verbs.add_parser("submit", help="run a recipe as a Slurm job (Ray across the nodes)")
+    add_submit_arguments(submit)
+    submit.set_defaults(run=_cmd_submit)
     return parser
 
 
@@ -135,9 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except InputError as error:
-        for problem in error.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        problems = error.problems
+    except OSError as error:
+        # A full or read-only disk is the machine's state, not a bug: say which file, no traceback.
+        problem = storage_problem(error)
+        if problem is None:
+            raise
+        problems = [problem]
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@ Programming errors stay ordinary exceptions.
 
 from __future__ import annotations
 
+import errno
+import os
+
+# Failures of the disk, not of megarl: full, over quota, read-only, not ours to write.
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
 
 class InputError(Exception):
     """Bad user input: each entry of `problems` is one line naming the key/file/row and the bad value."""
@@ -14,3 +20,10 @@ class InputError(Exception):
     def __init__(self, problems: str | list[str]):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
+
+
+def storage_problem(error: OSError) -> str | None:
+    """One line for an OSError the disk caused (the CLI prints it instead of a traceback); None for any other."""
+    if error.errno not in _STORAGE_ERRNOS:
+        return None
+    return f"cannot write {error.filename or 'a file'}: {error.strerror or os.strerror(error.errno)}"

@@ -21,7 +21,7 @@ from megarl.config.settings import WeightSyncSettings
 from megarl.ports import free_port
 from megarl.models import arch_from_hf, hf_param_shapes, hf_to_megatron, shard_for_rank
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.cpu_engine.checksum import tensor_digest
+from megarl.rollout.weight_wire import tensor_digest
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
 
 API_KEY = "sync-key"
@@ -177,3 +177,47 @@ def megatron_moe_ep_push(*, rank: int, world_size: int, port: int, checkpoint: s
     worker.close_weight_sync()
     destroy_distributed()
     return {"metrics": metrics, "digests": digests}
+
+
+MOE_CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                  norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=128)
+MOE_ARCH = arch_from_hf({"model_type": "qwen3_moe", **MOE_CONFIG})
+
+
+def moe_weights(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {name: 0.05 * torch.randn(shape, generator=gen) for name, shape in hf_param_shapes(MOE_ARCH).items()}
+
+
+def moe_rank(*, rank: int, world_size: int, port: int, urls: list[str], pp: int, ep: int, transport: str, seed: int,
+             devices: list[str] | None = None, server_devices: list[list[str]] | None = None) -> dict:
+    """One trainer rank (TP1) of a MoE policy at PP `pp` x EP `ep`, pushing seed `seed`'s weights to every server
+    of `urls` through `transport`; with `devices`, the tensor transport fans out as on GPUs, rank r standing on
+    device `devices[r]` and server i's TP rank r on `server_devices[i][r]`. Returns rank 0's stats."""
+    from megarl.weightsync.tensor_transport import TensorTransport
+
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=world_size)
+    dp = world_size // pp
+    layout = TrainerLayout(pp=pp, dp=dp, ep=ep)
+    dp_rank, pp_rank = rank % dp, rank // dp  # Megatron's order with TP 1: rank = dp_rank + dp * pp_rank
+    coords = RankCoords(rank=rank, world_size=world_size, pp_rank=pp_rank, pp_size=pp, dp_rank=dp_rank, dp_size=dp,
+                        ep_rank=dp_rank % ep, ep_size=ep)
+    plan = build_plan(MOE_ARCH, layout, dtype=torch.float32, bucket_bytes=20_000)
+    full = hf_to_megatron(moe_weights(seed), MOE_ARCH, padded_vocab=plan.padded_vocab)
+    chunk = shard_for_rank(full, num_layers=MOE_ARCH.num_layers, tie_word_embeddings=False, tp_rank=0, tp_size=1,
+                           pp_rank=pp_rank, pp_size=pp, ep_rank=coords.ep_rank, ep_size=ep)[0]
+    groups = SyncGroups.build(coords, timeout_s=60, device=devices[rank] if devices else None)
+    client = RolloutClient(urls, api_key=API_KEY, timeout_s=60) if rank == 0 or coords.is_sender else None
+    if devices:
+        sender_transport = TensorTransport(client, server_devices=server_devices, fanout=True)
+    else:
+        sender_transport = make_transport(transport, client, timeout_s=60)
+    syncer = WeightSyncer(plan, sender_transport, groups, client=client, verify=True)
+    stats = syncer.push({(0, name): tensor for name, tensor in chunk.items()}, weight_version=f"{transport}-{seed}")
+    syncer.close()
+    if client is not None:
+        client.close()
+    torch.distributed.destroy_process_group()
+    return {"stats": stats, "senders": groups.senders}

@@ -8,6 +8,7 @@ for it, on loopback with a private temp dir, and stopped by PID (through
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -31,6 +32,7 @@ def ray_session():
     start_local_ray(temp_dir=tmp, num_cpus=4)
     yield ray
     ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

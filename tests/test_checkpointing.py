@@ -24,7 +24,7 @@ from megarl.controller.checkpointing import (
     save_step,
     verify,
 )
-from megarl.controller.resume import check_compatible, prepare_run_dir
+from megarl.controller.resume import check_compatible, resume_or_start
 from megarl.errors import InputError
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
@@ -110,7 +110,7 @@ def test_a_corrupt_checkpoint_is_moved_aside_and_the_previous_one_resumed(tmp_pa
         handle.write(b"\xff")  # one flipped byte
     assert verify(newest) == [f"{newest.path}/actor/__0_0.distcp: sha256 differs from {MARKER}"]
     said = []
-    resume_from = prepare_run_dir(run_dir, recipe, say=said.append)
+    resume_from = resume_or_start(run_dir, recipe, say=said.append)
     assert resume_from.step == 1 and (run_dir / "checkpoints" / "corrupt-step_2").is_dir()
     assert any("corrupt" in line for line in said)
 
@@ -151,10 +151,10 @@ def test_start_over_moves_the_old_run_dir_aside_never_deletes_it(tmp_path):
     _save(_roles(), run_dir, 2, recipe)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     said = []
-    assert prepare_run_dir(run_dir, recipe, say=said.append) is None
+    assert resume_or_start(run_dir, recipe, say=said.append) is None
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
     assert (aside / "checkpoints" / "step_2" / MARKER).is_file() and (aside / "metrics.jsonl").is_file()
-    assert sorted(p.name for p in run_dir.iterdir()) == ["recipe.yaml"]
+    assert list(run_dir.iterdir()) == []
     assert str(aside) in said[0]
 
 

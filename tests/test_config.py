@@ -506,7 +506,7 @@ def test_disaggregated_placement(cluster: Path) -> None:
         (
             ["weight_sync.transport=tensor"],
             "weight_sync.transport: tensor handles only reach colocated engines;"
-            " use 'distributed' or 'disk' with colocate: false (got 'tensor')",
+            " use 'disk' or 'distributed' with colocate: false (got 'tensor')",
         ),
         (
             ["actor.ppo_micro_batch_size=32"],

@@ -13,17 +13,15 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from megarl.ports import free_port
 from megarl.rollout.server import ServerStartError, start_cpu_engine
-from megarl.rollout.tensor_transport import serialize_named_tensors
+from megarl.rollout.weight_wire import new_update_group, serialize_named_tensors
 
 # Every test talks to a server subprocess.
 pytestmark = pytest.mark.dist
@@ -442,12 +440,8 @@ def test_update_weights_from_disk(server, other_reference, model_dirs, tmp_path)
 
 def trainer_group(port: int, world_size: int, group_name: str):
     """The trainer's side of SGLang's weight-update group (rank 0, hosts the store)."""
-    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timedelta(seconds=60)))
-    group = _new_process_group_helper(world_size, 0, [], Backend("gloo"), PrefixStore(group_name, store),
-                                      group_name=group_name, timeout=timedelta(seconds=60))
-    group = group[0] if isinstance(group, tuple) else group
-    _world.pg_group_ranks[group] = {rank: rank for rank in range(world_size)}
-    return group
+    return new_update_group(master_address="127.0.0.1", master_port=port, rank=0, world_size=world_size,
+                            group_name=group_name, backend="gloo", timeout_s=60)
 
 
 def broadcast_update(server, group, named, **fields):
@@ -581,7 +575,7 @@ def test_launcher_reports_a_server_that_cannot_start(tmp_path):
 def test_dtype_serves_in_the_checkpoints_or_the_given_dtype_and_refuses_lossy_updates(model_dirs, tmp_path):
     """`--dtype` as SGLang's: "auto" keeps the checkpoint's bf16; a bf16 engine takes bf16 bit for bit and
     refuses float32 (rounding would change the trainer's weights silently)."""
-    from megarl.rollout.cpu_engine.checksum import tensor_digest
+    from megarl.rollout.weight_wire import tensor_digest
     from megarl.rollout.cpu_engine.weights import WeightUpdateError, apply_named_tensors, load_model
 
     build_model(2).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")

@@ -41,11 +41,11 @@ from megarl.config.settings import WeightSyncSettings
 from megarl.engines.protocol import WeightShards
 from megarl.models import arch_from_hf, hf_to_megatron, random_hf_state_dict, shard_for_rank
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.cpu_engine.checksum import tensor_digest
+from megarl.rollout.weight_wire import tensor_digest
 from megarl.rollout.cpu_engine.weights import apply_named_tensors, weight_checksums
 from megarl.ports import free_port
 from megarl.rollout.server import start_cpu_engine
-from megarl.rollout.tensor_transport import deserialize_named_tensors
+from megarl.rollout.weight_wire import deserialize_named_tensors
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncError, WeightSyncer, assemble_bucket
 from megarl.weightsync import build_plan, make_transport
 from megarl.weightsync.distributed_transport import DistributedTransport
@@ -202,7 +202,7 @@ class _RecordingTp2Server(_SilentPeer):
         self._reply({"tp_size": 2})
 
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         if self.path == "/update_weights_from_tensor":
             self.updates.append([
                 {name: tensor.clone() for name, tensor in deserialize_named_tensors(entry, load_format="flattened_bucket")}

@@ -15,7 +15,7 @@ from typing import Any
 from megarl.config.layout import TRAINING_ROLES, active_roles, role_parallel, role_pool, rollout_layout, training_layout
 from megarl.config.schema import Recipe, read_hf_config
 from megarl.errors import InputError
-from megarl.registry import ADVANTAGE_ESTIMATORS
+from megarl.registry import ADVANTAGE_ESTIMATORS, WEIGHT_SYNC_TRANSPORTS
 
 MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -79,7 +79,7 @@ def _check_placement(recipe: Recipe) -> list[Problem]:
                         f"placement.{key}", "only used with placement.colocate: false", sorted(getattr(placement, key))
                     )
                 )
-        return problems
+        return problems + _check_gpu_placement(recipe)
     for role, pool_name in placement.roles.items():
         if pool_name not in placement.pools:
             known = ", ".join(placement.pools) or "none"
@@ -104,13 +104,30 @@ def _check_placement(recipe: Recipe) -> list[Problem]:
                 sorted(used),
             )
         )
-    if recipe.weight_sync.transport == "tensor":
+    return problems + _check_gpu_placement(recipe)
+
+
+def _check_gpu_placement(recipe: Recipe) -> list[Problem]:
+    """Placements that cannot work on GPUs, whatever the device of this run (a CPU test must fail where a
+    cluster would): the transport's rule from its registry metadata (`needs_colocation` /
+    `refuses_colocation`: the reason), and a rollout server whose TP ranks would straddle two nodes."""
+    problems, placement = [], recipe.placement
+    name, colocate = recipe.weight_sync.transport, placement.colocate
+    rule = "refuses_colocation" if colocate else "needs_colocation"
+    reason = WEIGHT_SYNC_TRANSPORTS.get(name).meta.get(rule)
+    if reason is not None:
+        usable = [other for other in WEIGHT_SYNC_TRANSPORTS if WEIGHT_SYNC_TRANSPORTS.get(other).meta.get(rule) is None]
+        instead = " or ".join(repr(other) for other in usable)
         problems.append(
-            _problem(
-                "weight_sync.transport",
-                "tensor handles only reach colocated engines; use 'distributed' or 'disk' with colocate: false",
-                "tensor",
-            )
+            _problem("weight_sync.transport", f"{reason}; use {instead} with colocate: {str(colocate).lower()}", name)
+        )
+    pool = role_pool(placement, "rollout")
+    tp = recipe.rollout.tp
+    if pool is not None and pool.gpus_per_node % tp:
+        # Servers take consecutive slots: one would span two nodes, and megarl starts each server on one node.
+        problems.append(
+            _problem("rollout.tp", f"a server's TP ranks must share a node: the rollout pool {pool.name!r} has "
+                     f"{pool.gpus_per_node} GPUs per node, not divisible by tp", tp)
         )
     return problems
 

@@ -14,11 +14,14 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
-from megarl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, ReferenceConfig, Section
+from megarl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, ReferenceConfig, Section, registered
+from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.errors import InputError
 
+WeightSyncTransport = registered(WEIGHT_SYNC_TRANSPORTS)
 Role = Literal["actor", "critic", "reference", "rollout"]
 _SCORER_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class ModelConfig(Section):
@@ -170,7 +173,7 @@ class PlacementConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    transport: Literal["tensor", "distributed", "disk"] = Field(
+    transport: WeightSyncTransport = Field(
         "tensor", description="tensor: same-device handles (colocated); distributed: broadcast group; disk: files"
     )
     bucket_mb: PositiveInt = Field(512, description="size of one transfer bucket in MiB")
@@ -232,6 +235,22 @@ class TrainerConfig(Section):
     samples: SamplesConfig = Field(default_factory=SamplesConfig, description="decoded rollouts written to samples/")
 
 
+class ClusterConfig(Section):
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variables set on every node of a launched job (megarl submit, launch/local.sh), "
+        "e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_TIMEOUT, GLOO_SOCKET_IFNAME",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = sorted(name for name in env if not _ENV_NAME.match(name))
+        if bad:
+            raise ValueError(f"environment variable names must match [A-Za-z_][A-Za-z0-9_]*: {bad}")
+        return env
+
+
 class SftWarmupConfig(Section):
     steps: NonNegativeInt = Field(
         0, description="most supervised steps on reference solutions before RL; 0 = none"
@@ -245,8 +264,14 @@ class SftWarmupConfig(Section):
     batch_size: PositiveInt = Field(64, description="samples per warm-up step")
 
 
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
 class Recipe(Section):
-    name: str = Field(description="run name; the run dir is trainer.output_dir/name")
+    name: str = Field(
+        description="run name: letters, digits, '.', '_' and '-' (a plain directory name); the run dir is "
+        "trainer.output_dir/name",
+    )
     seed: int = Field(0, description="global seed (data order, init, sampling)")
     model: ModelConfig = Field(description="policy model")
     data: DataConfig = Field(description="datasets and lengths")
@@ -260,3 +285,13 @@ class Recipe(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="trainer -> rollout sync")
     trainer: TrainerConfig = Field(description="step loop, validation, logging, checkpoints")
     sft_warmup: SftWarmupConfig = Field(default_factory=SftWarmupConfig, description="optional supervised warm-up")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="environment of launched multi-node jobs")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_directory_name(cls, name: str) -> str:
+        # The run dir is output_dir/name: a separator or `..` would put it (and its deletions) elsewhere.
+        if not _RUN_NAME.match(name):
+            raise ValueError("must be a plain directory name of at most 128 letters, digits, '.', '_' or '-', "
+                             "starting with a letter or digit")
+        return name

@@ -7,7 +7,7 @@ several fields (layout vs pool size, batch divisibility, critic iff GAE) are in
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -18,6 +18,8 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    ValidationInfo,
+    field_validator,
 )
 
 from megarl.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, Registry
@@ -41,12 +43,42 @@ KLPenalty = registered(KL_PENALTIES)
 LossAggMode = registered(LOSS_AGG_MODES)
 
 
+def _accepts_bool(annotation: Any) -> bool:
+    """Whether a field's type admits a real bool (through Optional, unions, Annotated and containers' own types);
+    a sub-section checks its own fields."""
+    if annotation is bool or annotation is Any or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        return True
+    return any(_accepts_bool(arg) for arg in get_args(annotation) if not isinstance(arg, (str, int, float)))
+
+
+def _scalars(value: Any) -> list[Any]:
+    """`value` itself, or the items of a list/tuple or the values of a mapping (one level: what a field holds)."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    return [value]
+
+
 class Section(BaseModel):
-    """Base of every recipe model: unknown keys are errors, not silent no-ops."""
+    """Base of every recipe model: unknown keys are errors, not silent no-ops, and a bool is never a number."""
 
     # coerce_numbers_to_str: `name: 2024` in YAML is a run name, not a type error.
     # protected_namespaces=(): `model_path` is a recipe key, not a pydantic method.
     model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, protected_namespaces=())
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bools_are_only_bools(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads `rollout.n: true` as 1 and `balance_batch: 1` as true; a recipe that
+        # writes one where the other belongs has a mistake in it.
+        annotation = cls.model_fields[info.field_name].annotation
+        if annotation in (bool, bool | None):
+            if not isinstance(value, bool) and value is not None:
+                raise ValueError("expected true or false")
+        elif not _accepts_bool(annotation) and any(isinstance(item, bool) for item in _scalars(value)):
+            raise ValueError("expected a number or a string, not a boolean")
+        return value
 
 
 class KLControl(Section):

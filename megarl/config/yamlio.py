@@ -3,6 +3,11 @@
 Two departures from PyYAML's YAML 1.1 defaults, both to stop silent surprises:
 `1e-5` is a float (YAML 1.1 wants `1.0e-5` and would hand back a string), and
 a key repeated in one mapping is an error instead of "last one wins".
+
+And two bounds, so a hostile or broken file cannot hang `megarl validate`: a
+recipe file is at most `MAX_RECIPE_BYTES`, and its document may expand to at most
+`MAX_EXPANDED_NODES` nodes once aliases are followed (anchors are fine; a
+"billion laughs" of nested aliases is refused before anything is copied).
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from typing import Any
 import yaml
 
 from megarl.errors import InputError
+
+MAX_RECIPE_BYTES = 1 << 20
+MAX_EXPANDED_NODES = 100_000
 
 
 class RecipeLoader(yaml.SafeLoader):
@@ -65,9 +73,41 @@ def _describe_yaml_error(error: yaml.YAMLError, text: str) -> tuple[int | None, 
     return mark.line + 1, f"{problem} (got {source!r})"
 
 
+def _expanded_nodes(node: yaml.Node, memo: dict[int, int]) -> int:
+    """How many nodes `node` stands for with every alias expanded (shared nodes counted once per use)."""
+    if id(node) not in memo:
+        memo[id(node)] = 0  # a recursive alias counts as a leaf here; the constructor handles it
+        children = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        memo[id(node)] = 1 + sum(_expanded_nodes(child, memo) for child in children)
+    return memo[id(node)]
+
+
+def _load_bounded(text: str) -> Any:
+    """`text` parsed with RecipeLoader, refused when its aliases expand past MAX_EXPANDED_NODES."""
+    loader = RecipeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_nodes(node, {})
+        if size > MAX_EXPANDED_NODES:
+            raise ValueError(f"the YAML expands to more than {MAX_EXPANDED_NODES} values once its aliases are "
+                             f"followed (an alias bomb?)")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def read_yaml_file(path: Path) -> dict[str, Any]:
     """The top-level mapping of a recipe file; InputError naming the file (and line) on any problem."""
     try:
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise InputError(f"{path}: a recipe file may be at most {MAX_RECIPE_BYTES} bytes "
+                             f"(got {path.stat().st_size})")
         text = path.read_text()
     except FileNotFoundError:
         raise InputError(f"{path}: recipe file not found") from None
@@ -76,11 +116,14 @@ def read_yaml_file(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as error:
         raise InputError(f"{path}: cannot read recipe file: {error}") from None
     try:
-        loaded = yaml.load(text, Loader=RecipeLoader)
+        loaded = _load_bounded(text)
     except yaml.YAMLError as error:
         line, message = _describe_yaml_error(error, text)
         where = f"{path}:{line}" if line is not None else str(path)
         raise InputError(f"{where}: YAML syntax error: {message}") from None
+    except (ValueError, RecursionError) as error:
+        reason = str(error) if isinstance(error, ValueError) else "nested too deeply"
+        raise InputError(f"{path}: {reason}") from None
     if not isinstance(loaded, dict):
         got = "an empty file" if loaded is None else f"a {type(loaded).__name__}"
         raise InputError(f"{path}: a recipe must be a YAML mapping of sections (got {got})")
@@ -90,10 +133,12 @@ def read_yaml_file(path: Path) -> dict[str, Any]:
 def parse_yaml_value(text: str) -> Any:
     """One `--set` value parsed as YAML (scalar, list or mapping); ValueError with a one-line reason."""
     try:
-        return yaml.load(text, Loader=RecipeLoader)
+        return _load_bounded(text)
     except yaml.YAMLError as error:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
         raise ValueError(f"not a valid YAML value: {problem}") from None
+    except RecursionError:
+        raise ValueError("not a valid YAML value: nested too deeply") from None
 
 
 def dump_yaml(data: dict[str, Any]) -> str:

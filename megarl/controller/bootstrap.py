@@ -6,17 +6,20 @@ no scorer) surface here as `InputError`, before Ray or any engine is started.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
+from megarl import atomic
 from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Recipe
 from megarl.data.dataset import PromptLoader, RLDataset
 from megarl.data.synthetic import write_arithmetic_dataset
 from megarl.data.tokenizer import load_tokenizer
+from megarl.errors import InputError
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardManager, reward_metrics
 from megarl.rewards.registry import build_scorers, check_data_sources
@@ -90,11 +93,17 @@ def prepare_initial_weights(recipe: Recipe, run_dir: Path, tokenizer) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = run_dir / "hf_init"
-    if not (out / "config.json").exists():
+    if not out.exists():  # written atomically: present means complete
         hf_config = dict(recipe.model.hf_config())
         config = AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
         torch.manual_seed(recipe.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
+        needed = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
+        free = shutil.disk_usage(run_dir).free
+        if free < needed + (16 << 20):  # the weights, plus the tokenizer and the config with room to spare
+            raise InputError(f"trainer.output_dir: the initial weights need {needed >> 20} MiB in {out}, the disk "
+                             f"has {free >> 20} MiB free (got {recipe.trainer.output_dir!r})")
+        with atomic.new_directory(out) as partial:
+            model.save_pretrained(partial, safe_serialization=True)
+            tokenizer.save_pretrained(partial)
     return out

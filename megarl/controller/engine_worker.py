@@ -122,12 +122,13 @@ class MegatronWorker:
     def onload(self) -> None:
         self.engine.onload()
 
-    def push_weights(self, *, urls: list[str], api_key: str | None, version: int,
-                     settings: WeightSyncSettings) -> dict[str, float] | None:
+    def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
+                     devices: list[list[str]] | None = None) -> dict[str, float] | None:
         """Load this policy's weights into every server in `urls` under `version`; metrics on rank 0, else None.
 
         Collective over all ranks: `megarl.weightsync` reshards bucket by bucket, each PP stage
         assembling its buckets over TP while its sender pushes them, stages in parallel.
+        `devices`: per server, its TP ranks' GPU UUIDs (the fleet's; the tensor transport on GPUs needs them).
         """
         from megarl.engines.distributed import parallel_layout
         from megarl.weightsync.engine_sync import EngineWeightSync
@@ -136,7 +137,8 @@ class MegatronWorker:
         if self._weight_sync is None:
             self._weight_sync = EngineWeightSync()
         return self._weight_sync.push(self.engine.weight_shards(), coords=RankCoords.from_layout(parallel_layout()),
-                                      urls=urls, api_key=api_key, version=version, settings=settings)
+                                      urls=urls, api_key=api_key, version=version, settings=settings,
+                                      server_devices=devices)
 
     def close_weight_sync(self) -> None:
         """Leave the servers' weight-update groups and close the sync clients (before the servers stop)."""

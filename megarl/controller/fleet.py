@@ -1,8 +1,10 @@
 """The controller's side of the rollout fleet: a `megarl.rollout.fleet.RolloutFleet` built from a recipe.
 
 One server per `rollout.tp` slots of the rollout pool, each owned by a Ray
-actor on its first slot with the pool's per-role share of the bundle.
-Generation, routing, restarts and weight versions live in `megarl.rollout.fleet`.
+actor on its first slot with the pool's per-role share of the bundle; on GPUs
+the server process sees the GPUs of its `tp` slots, whose UUIDs the fleet hands
+to the weight sync. Generation, routing, restarts and weight versions live in
+`megarl.rollout.fleet`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from megarl.config import Recipe
 from megarl.controller.placement import ResourcePool
 from megarl.rollout.fleet import RolloutFleet
-from megarl.rollout.server_host import ServerSpec
+from megarl.rollout.server_host import HostPlacement, ServerSpec
 
 __all__ = ["RolloutFleet", "start_rollout_fleet"]
 
@@ -36,9 +38,6 @@ def start_rollout_fleet(
         mem_fraction=rollout.mem_fraction,
         sglang_args=dict(rollout.sglang),
     )
-    pool.reserve()
-    share = pool.share()
-    actor_options = {"num_cpus": share, **({"num_gpus": share} if pool.device == "cuda" else {})}
     return RolloutFleet(
         spec,
         num_servers=rollout.num_servers,
@@ -52,6 +51,20 @@ def start_rollout_fleet(
         routing=rollout.routing,
         router_policy=rollout.router_policy,
         use_ray=True,
-        slots=[pool.slot(rank) for rank in range(rollout.num_servers * rollout.tp)],
-        actor_options=actor_options,
+        placements=host_placements(pool, num_servers=rollout.num_servers, tp=rollout.tp),
     )
+
+
+def host_placements(pool: ResourcePool, *, num_servers: int, tp: int) -> list[HostPlacement]:
+    """Server i's host on slot i*tp; on GPUs its server uses the GPUs of slots i*tp .. i*tp+tp-1."""
+    pool.reserve()
+    placements = []
+    for server in range(num_servers):
+        first = server * tp
+        gpus = pool.slot_gpus(list(range(first, first + tp))) if pool.device == "cuda" else None
+        placements.append(HostPlacement(
+            actor_options=pool.actor_options(first),
+            gpu_ids=tuple(gpu for gpu, _ in gpus) if gpus else None,
+            device_uuids=tuple(uuid for _, uuid in gpus) if gpus else None,
+        ))
+    return placements

@@ -1,9 +1,11 @@
-"""Resource pools and role placement on Ray.
+"""Resource pools and role placement on Ray: the only place that knows placement groups and GPU ids.
 
 A pool is `nodes x per_node` device slots reserved as Ray placement-group
 bundles (one STRICT_PACK group per node, so a node's ranks stay together).
 Roles that share a pool (actor, reference, rollout by default) put one worker
 each on every bundle and split the slot's resources between them.
+`actor_options(rank)` places a Ray actor on slot `rank` with its role's share;
+`slot_gpus` finds the GPU id and UUID Ray gives each slot.
 """
 
 from __future__ import annotations
@@ -65,6 +67,34 @@ class ResourcePool:
     def share(self) -> float:
         """Fraction of one slot each colocated role's worker asks for."""
         return 1.0 / max(1, len(self.roles))
+
+    def actor_options(self, rank: int) -> dict:
+        """Ray actor options that put an actor on slot `rank` with one role's share of its resources."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        group, bundle = self.slot(rank)
+        share = self.share()
+        return {
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=bundle
+            ),
+            "num_cpus": share,
+            **({"num_gpus": share} if self.device == "cuda" else {}),
+        }
+
+    def slot_gpus(self, ranks: list[int]) -> list[tuple[int, str]]:
+        """(GPU id, GPU UUID) that Ray gives each slot of `ranks` (one tiny task per slot; cuda pools only)."""
+        import ray
+
+        @ray.remote
+        def assigned_gpu() -> tuple[int, str]:
+            from megarl.rollout.weight_wire import device_uuid
+
+            # Ray exposes only this slot's GPU to the task: local index 0 is it.
+            return int(ray.get_gpu_ids()[0]), device_uuid(0)
+
+        options = [self.actor_options(rank) for rank in ranks]
+        return ray.get([assigned_gpu.options(**option).remote() for option in options])
 
 
 def total_devices(pools: dict[str, ResourcePool]) -> int:

@@ -21,7 +21,6 @@ import yaml
 
 from megarl.config import Recipe, dump_recipe
 from megarl.controller.checkpointing import (
-    RECIPE_FILE,
     StepCheckpoint,
     checkpoint_root,
     complete_steps,
@@ -97,11 +96,12 @@ def _move_aside(run_dir: Path, say: Callable[[str], None]) -> None:
     say(f"starting over: the previous contents of {run_dir} are now in {aside}")
 
 
-def prepare_run_dir(run_dir: Path, recipe: Recipe, *, say: Callable[[str], None]) -> StepCheckpoint | None:
-    """Make `run_dir` ready for `recipe`: the checkpoint to resume from, or None for a fresh run.
+def resume_or_start(run_dir: Path, recipe: Recipe, *, say: Callable[[str], None]) -> StepCheckpoint | None:
+    """The checkpoint of `run_dir` that `recipe` continues, or None for a fresh run (an existing run dir is
+    then moved aside and recreated empty).
 
-    Writes the resolved `recipe.yaml`. Raises InputError, leaving the directory as it was
-    (bar leftovers of interrupted saves), when the recipe cannot continue the checkpoint.
+    Raises InputError, leaving the directory as it was (bar leftovers of interrupted
+    saves), when the recipe cannot continue the checkpoint.
     """
     for path in remove_incomplete(run_dir):
         say(f"removed incomplete checkpoint {path}")
@@ -112,5 +112,4 @@ def prepare_run_dir(run_dir: Path, recipe: Recipe, *, say: Callable[[str], None]
     elif run_dir.is_dir() and any(run_dir.iterdir()):
         _move_aside(run_dir, say)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RECIPE_FILE).write_text(dump_recipe(recipe))
     return resume_from

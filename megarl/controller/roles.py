@@ -62,10 +62,12 @@ class PolicyRole:
     def reset_optimizer_state(self) -> None:
         self.group.run("reset_optimizer_state")
 
-    def push_weights(self, *, urls: list[str], api_key: str | None, version: int,
-                     settings: WeightSyncSettings) -> dict[str, float]:
-        """Weight sync to `urls` through `settings.transport`; the metrics of trainer rank 0."""
-        results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version, settings=settings)
+    def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
+                     devices: list[list[str]] | None = None) -> dict[str, float]:
+        """Weight sync to `urls` through `settings.transport` (`devices`: the servers' GPU UUIDs, see
+        `RolloutFleet.server_devices`); the metrics of trainer rank 0."""
+        results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version, settings=settings,
+                                 devices=devices)
         return next(result for result in results if result is not None)
 
 

@@ -10,12 +10,14 @@ is stopped here, by handle, also when a signal stops the run (`preemption`).
 from __future__ import annotations
 
 import secrets
+import shutil
 import tempfile
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
-from megarl.config import Recipe
+from megarl import atomic
+from megarl.config import Recipe, dump_recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
     logprob_batching,
@@ -31,8 +33,9 @@ from megarl.controller.engine_worker import MegatronWorker
 from megarl.controller.fleet import start_rollout_fleet
 from megarl.controller.placement import plan_pools, total_devices
 from megarl.controller.preemption import Preempted, Preemption
+from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
-from megarl.controller.resume import prepare_run_dir
+from megarl.controller.resume import resume_or_start
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.step_loop import StepLoop
@@ -40,6 +43,7 @@ from megarl.controller.tracking import Tracker, controller_log
 from megarl.controller.trainer import StepSettings, Trainer
 from megarl.controller.wandb_sink import WandbSink
 from megarl.controller.worker_group import WorkerGroup
+from megarl.errors import InputError
 
 
 def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,
@@ -137,8 +141,11 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
     """
     import ray
 
-    run_dir = Path(recipe.trainer.output_dir) / recipe.name
-    resume_from = prepare_run_dir(run_dir, recipe, say=lambda line: print(f"megarl: {line}", flush=True))
+    problems = check_checkpoints(recipe)
+    if problems:
+        raise InputError(problems)
+    run_dir = prepare_run_dir(recipe)
+    resume_from = resume_or_start(run_dir, recipe, say=lambda line: print(f"megarl: {line}", flush=True))
     start_step = resume_from.step if resume_from is not None else 0
     if start_step >= recipe.trainer.total_steps:
         print(f"megarl: {run_dir} already completed step {start_step} (trainer.total_steps="
@@ -146,6 +153,8 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
         return run_dir
     data = prepare_data(recipe, run_dir)
     weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
+    # Written once every check passed, so a refused run leaves an earlier run's recipe alone.
+    atomic.write_text(run_dir / "recipe.yaml", dump_recipe(recipe))
     checkpoint = recipe.trainer.checkpoint
 
     with controller_log(run_dir), ExitStack() as cleanup:
@@ -154,7 +163,9 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
         if ray_address:
             connect_ray(ray_address)
         elif not ray.is_initialized():
-            start_local_ray(temp_dir=tempfile.mkdtemp(prefix="megarl-ray-"), num_cpus=8)
+            ray_dir = tempfile.mkdtemp(prefix="megarl-ray-")
+            cleanup.callback(shutil.rmtree, ray_dir, True)
+            start_local_ray(temp_dir=ray_dir, num_cpus=8)
             cleanup.callback(ray.shutdown)
         # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
         preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))

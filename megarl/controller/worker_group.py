@@ -22,26 +22,18 @@ class WorkerGroup:
     def __init__(self, worker_cls: type, pool: ResourcePool, *, name: str, env: dict[str, str] | None = None,
                  log_dir: Path | None = None):
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pool.reserve()
         self.name = name
         self.world_size = pool.world_size
         remote_cls = ray.remote(worker_cls)
-        share = pool.share()
         self.workers = []
         for rank in range(self.world_size):
-            group, bundle = pool.slot(rank)
             options: dict[str, Any] = {
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=bundle
-                ),
-                "num_cpus": share,
+                **pool.actor_options(rank),
                 "name": f"megarl-{name}-{rank}",
                 "runtime_env": {"env_vars": dict(env or {})},
             }
-            if pool.device == "cuda":
-                options["num_gpus"] = share
             log = {"log_path": str(Path(log_dir) / f"{name}-{rank}.log")} if log_dir is not None else {}
             self.workers.append(remote_cls.options(**options).remote(rank=rank, world_size=self.world_size, **log))
         self._layout: list[dict] | None = None

@@ -8,6 +8,7 @@ reported (file, line/row, field, value) in one InputError.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from megarl import atomic
 from megarl.data.rows import make_row, preview, raise_problems, write_rows
 from megarl.data.synthetic import write_arithmetic_dataset
 from megarl.errors import InputError
@@ -101,8 +103,13 @@ def read_records(path: Path) -> Iterator[tuple[str, object]]:
         for row_number, record in enumerate(records):
             yield f"{path} row {row_number}", record
         return
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:
+        for line_number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise InputError(f"{path} line {line_number}: not UTF-8 text (byte {raw[error.start]:#04x} at "
+                                 f"column {error.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -172,6 +179,8 @@ def preprocess(dataset: str, *, input_path: Path | None, output_dir: Path, seed:
     split_files = find_split_files(Path(input_path))
     converted = {split: convert_split(FORMATS[dataset], split, files) for split, files in split_files.items()}
     raise_problems([problem for _, problems in converted.values() for problem in problems])
-    for split, (rows, _) in converted.items():
-        write_rows(rows, output_dir / f"{split}.parquet")
+    raise_problems([f"--input {input_path}: the {split} files ({', '.join(map(str, split_files[split]))}) hold no "
+                    f"records" for split, (rows, _) in converted.items() if not rows])
+    atomic.write_files({output_dir / f"{split}.parquet": functools.partial(write_rows, rows)
+                        for split, (rows, _) in converted.items()})
     return {split: len(rows) for split, (rows, _) in converted.items()}

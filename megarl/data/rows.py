@@ -48,7 +48,8 @@ def make_row(
 
 
 def write_rows(rows: Sequence[dict], path: Path) -> Path:
-    """Write `rows` to `path` as parquet with `ROW_SCHEMA` (parent directories are created)."""
+    """Write `rows` to `path` as parquet with `ROW_SCHEMA` (parent directories are created); callers that others
+    read later write through `megarl.atomic.write_files`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(list(rows), schema=ROW_SCHEMA), path)
     return path

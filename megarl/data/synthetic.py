@@ -10,10 +10,12 @@ by position quickly, and what is left to learn is the arithmetic (the carry).
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Collection
 from pathlib import Path
 
+from megarl import atomic
 from megarl.data.rows import make_row, write_rows
 from megarl.errors import InputError
 
@@ -87,5 +89,7 @@ def write_arithmetic_dataset(
     val_rows = arithmetic_rows(num_val, seed=seed, split="test", max_operand=max_operand)
     held_out = arithmetic_pairs(num_val, seed=seed, split="test", max_operand=max_operand)
     train_rows = arithmetic_rows(num_train, seed=seed, split="train", max_operand=max_operand, exclude_pairs=held_out)
-    out_dir = Path(out_dir)
-    return write_rows(train_rows, out_dir / "train.parquet"), write_rows(val_rows, out_dir / "test.parquet")
+    train_path, val_path = Path(out_dir) / "train.parquet", Path(out_dir) / "test.parquet"
+    atomic.write_files({train_path: functools.partial(write_rows, train_rows),
+                        val_path: functools.partial(write_rows, val_rows)})
+    return train_path, val_path

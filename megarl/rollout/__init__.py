@@ -12,7 +12,7 @@
 - `sglang_launcher`: the `sglang.launch_server` command line.
 - `router`: an sglang-router subprocess and its worker API.
 - `cpu_engine`: the CPU engine itself (SGLang's HTTP protocol on an HF model).
-- `tensor_transport`: the `/update_weights_from_tensor` wire format.
+- `weight_wire`: the weight-update wire formats (tensor payloads, digests, update groups), shared with `weightsync`.
 """
 
 from megarl.rollout.client import RolloutClient, RolloutError

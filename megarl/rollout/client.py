@@ -30,7 +30,7 @@ import aiohttp
 import torch
 
 from megarl.rollout.results import GenerationResult, parse_output, results_to_tensors
-from megarl.rollout.tensor_transport import serialize_named_tensors
+from megarl.rollout.weight_wire import LOAD_FORMATS, entries_for_tp_ranks, flatten_bucket
 
 # results_to_tensors is re-exported: callers take the client and its packing helper from one place.
 __all__ = ["GenerationResult", "RolloutClient", "RolloutError", "results_to_tensors"]
@@ -90,6 +90,7 @@ class RolloutClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._next_server = 0
+        self._tp_sizes: list[int] | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
         self._thread.start()
@@ -213,8 +214,22 @@ class RolloutClient:
     def end_weight_update(self) -> None:
         self.run(self._all("POST", "/end_weight_update", {}))
 
-    def update_weight_version(self, new_version: str) -> None:
-        self.run(self._all("POST", "/update_weight_version", {"new_version": new_version}))
+    def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True) -> None:
+        """Publish `new_version`; SGLang aborts every request unless `abort_all_requests` is False."""
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        self.run(self._all("POST", "/update_weight_version", body))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the servers' memory of `tags` (weights, kv_cache, cuda_graph; all when None).
+
+        Needs servers started with `--enable-memory-saver` and no request running.
+        """
+        self.run(self._all("POST", "/release_memory_occupation", {"tags": tags}))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take the memory of `tags` back (all when None). Resumed weights hold undefined values unless the
+        server keeps a host copy (`--enable-weights-cpu-backup`): push weights before generating."""
+        self.run(self._all("POST", "/resume_memory_occupation", {"tags": tags}))
 
     def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> None:
         body = {"model_path": str(model_path), "weight_version": weight_version}
@@ -228,19 +243,32 @@ class RolloutClient:
         load_format: str | None = None,
         flush_cache: bool = True,
     ) -> None:
-        """Send tensors (HF names) to every server; call between begin/end_weight_update."""
-        # One serialisation per server: each pickle holds one reference on the
-        # shared-memory files, which exactly one receiver releases.
+        """Send tensors (HF names) to every server; call between begin/end_weight_update.
+
+        Each server gets one entry per TP rank (its `/server_info` `tp_size`), a separate pickle
+        each: every pickle holds one reference on the shared buffers, which one receiver releases.
+        `flush_cache` true fails (and kills an SGLang server) while requests run or wait.
+        """
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        payload = flatten_bucket(named_tensors) if load_format == "flattened_bucket" else list(named_tensors)
         bodies = [
             {
-                "serialized_named_tensors": [serialize_named_tensors(named_tensors, load_format=load_format)],
+                "serialized_named_tensors": entries_for_tp_ranks(payload, tp_size),
                 "load_format": load_format,
                 "flush_cache": flush_cache,
                 "weight_version": weight_version,
             }
-            for _ in self._servers
+            for tp_size in self.tp_sizes()
         ]
         self.run(self._all("POST", "/update_weights_from_tensor", bodies))
+
+    def tp_sizes(self) -> list[int]:
+        """Each server's TP size from `/server_info` (a server that does not say has 1), asked once."""
+        if self._tp_sizes is None:
+            infos = self.run(self._all("GET", "/server_info"))
+            self._tp_sizes = [int(info.get("tp_size", 1)) if isinstance(info, dict) else 1 for info in infos]
+        return self._tp_sizes
 
     # ---- plumbing ----------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The rollout fleet: N generation servers, routing, generating a Batch, and recovering dead servers.
 
 Lifecycle: each server's process is owned by a `ServerHost`, one Ray actor
-per server on its placement slot (or, with `use_ray=False`, in the driver).
+per server with the options of its `HostPlacement` (built by the controller;
+with `use_ray=False` the hosts live in the driver).
 The host reports the server's URL; the fleet waits on `/health`; logs go to
 `<log_dir>/rollout-<i>.log`, and a server that never becomes healthy fails
 the fleet with its log tail.
@@ -12,6 +13,12 @@ group); with `routing="router"` the servers are registered with an
 `sglang-router` and generation goes through it (one request per sample: the
 router takes only one `sampling_params`). Weight updates and control calls
 always go to every server directly; the router does not forward them.
+
+Colocated memory: with `ServerSpec.enable_memory_saver` the servers start with
+`--enable-memory-saver`; `release_memory()` frees their weights and KV cache
+before the trainer uses the GPUs, `resume_memory()` takes them back (resume
+`weights`, sync, then `kv_cache`: resumed weights are undefined until pushed,
+unless the servers keep a host copy).
 
 Faults: a request whose server died is re-sent to the others (`dispatch`);
 the dead server is restarted (at most `max_restarts` times), re-synced to the
@@ -48,10 +55,18 @@ from megarl.rollout.dispatch import FleetError, generate_rows
 from megarl.rollout.fleet_member import DEAD, RESTARTING, UP, FleetMember
 from megarl.rollout.results import GenerationResult
 from megarl.rollout.router import RouterError, RouterHandle, start_router
-from megarl.rollout.server_host import LOOPBACK, ServerSpec, bind_address, current_node_id, start_hosts
+from megarl.rollout.server_host import (
+    LOOPBACK,
+    HostPlacement,
+    ServerSpec,
+    bind_address,
+    current_node_id,
+    start_hosts,
+)
 from megarl.rollout.sglang_launcher import passthrough_args
 
-# push(urls=[...], version=v) loads the trainer's current weights into those servers under version v.
+# push(urls=[...], version=v) loads the trainer's current weights into those servers under version v;
+# on GPUs it also gets devices=[per server, the UUID of each TP rank's GPU] (the tensor transport needs them).
 WeightSource = Callable[..., Any]
 
 
@@ -84,8 +99,7 @@ class RolloutFleet:
         routing: str = "client",
         router_policy: str = "cache_aware",
         use_ray: bool = True,
-        slots: list[tuple[Any, int]] | None = None,
-        actor_options: dict[str, Any] | None = None,
+        placements: list[HostPlacement] | None = None,
         startup_timeout_s: float = 300.0,
         max_restarts: int = 2,
         max_attempts: int = 4,
@@ -116,8 +130,9 @@ class RolloutFleet:
         self._client: RolloutClient | None = None
         self._router: RouterHandle | None = None
         self._router_target: _RouterTarget | None = None
-        hosts = start_hosts(spec, num_servers, use_ray=use_ray, slots=slots, actor_options=actor_options)
-        self._servers = [FleetMember(index, host) for index, host in enumerate(hosts)]
+        self._devices = [placement.device_uuids for placement in placements] if placements else None
+        hosts = start_hosts(spec, num_servers, use_ray=use_ray, placements=placements)
+        self._servers = [FleetMember(index, host, api_key=spec.api_key) for index, host in enumerate(hosts)]
         try:
             self._start_all()
             self._client = RolloutClient(self.urls, api_key=spec.api_key, max_concurrency=max_concurrency)
@@ -211,6 +226,24 @@ class RolloutFleet:
             self._version, self._version_arg = str(version), version
         return result
 
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free the serving servers' GPU memory of `tags` (weights, kv_cache, cuda_graph; all when None)
+        before the trainer uses the same GPUs; needs `enable_memory_saver` and no generation running."""
+        with RolloutClient(self._serving(), api_key=self.spec.api_key) as client:
+            client.release_memory_occupation(tags)
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take the memory of `tags` back (all when None) before syncing weights (`weights`) and generating."""
+        with RolloutClient(self._serving(), api_key=self.spec.api_key) as client:
+            client.resume_memory_occupation(tags)
+
+    def server_devices(self, urls: list[str]) -> list[list[str]] | None:
+        """For each of `urls`, the UUID of each TP rank's GPU; None when the placement gave none (CPU)."""
+        if self._devices is None or any(devices is None for devices in self._devices):
+            return None
+        by_url = {server.url: self._devices[server.index] for server in self._servers}
+        return [list(by_url[url]) for url in urls]
+
     def wait_for_restarts(self, timeout_s: float = 300.0) -> bool:
         """Block until no restart is in progress; False on timeout."""
         return self._client.run(self._await_recoveries(timeout_s))
@@ -223,7 +256,8 @@ class RolloutFleet:
 
     def _push(self, urls: list[str], version: Any) -> Any:
         if callable(self._source):
-            return self._source(urls=urls, version=version)
+            devices = self.server_devices(urls)
+            return self._source(urls=urls, version=version, **({"devices": devices} if devices else {}))
         with RolloutClient(urls, api_key=self.spec.api_key) as client:
             client.update_weights_from_disk(str(self._source), weight_version=str(version))
         return None

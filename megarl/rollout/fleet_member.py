@@ -5,6 +5,12 @@ restarts the process, waits for `/health` (starting once more on a port the OS
 picks when another process took the chosen port first), tells whether the
 server is still alive, and reads its log tail and `/model_info`. Blocking
 calls run in worker threads when the fleet's event loop needs them.
+
+Alive means the process runs and `/model_info` answers. Not `/health`: SGLang's
+runs a one-token generation, which blocks (about 20 s) and then answers 503 while
+generation is paused for a weight update, so a server in the middle of a sync
+would be declared dead. When SGLang's scheduler dies the whole server exits,
+which the process check sees.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class FleetMember:
 
     index: int
     host: Any
+    api_key: str | None = None
     url: str = ""
     pid: int | None = None
     state: str = STARTING
@@ -56,12 +63,12 @@ class FleetMember:
             self._wait(timeout_s, what, api_key)
 
     def alive(self) -> bool:
-        """The process runs and `/health` answers 200."""
+        """The process runs and `/model_info` answers (see the module docstring for why not `/health`)."""
         try:
             if self.host.call("exit_code") is not None:
                 return False
-            with urllib.request.urlopen(f"{self.url}/health", timeout=10) as response:
-                return response.status == 200
+            self.model_info(self.api_key)
+            return True
         except Exception:  # noqa: BLE001 - unreachable, timed out, or its actor is gone: all mean dead
             return False
 
@@ -74,7 +81,7 @@ class FleetMember:
     def model_info(self, api_key: str | None) -> dict[str, Any]:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         request = urllib.request.Request(f"{self.url}/model_info", headers=headers)
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=10) as reply:
             return json.loads(reply.read())
 
     def _wait(self, timeout_s: float, what: str, api_key: str | None) -> None:

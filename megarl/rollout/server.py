@@ -87,17 +87,23 @@ def cpu_engine_command(
     seed: int | None = None,
     log_level: str = "info",
     dtype: str | None = None,
+    enable_memory_saver: bool = False,
+    enable_weights_cpu_backup: bool = False,
+    health_check_timeout_s: float | None = None,
+    weight_update_group_timeout_s: float | None = None,
 ) -> list[str]:
     """The argv that runs one CPU engine server."""
     command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
     command += ["--log-level", log_level]
     optional = {"--api-key": api_key, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
-                "--seed": seed, "--dtype": dtype}
+                "--seed": seed, "--dtype": dtype, "--health-check-timeout-s": health_check_timeout_s,
+                "--weight-update-group-timeout-s": weight_update_group_timeout_s}
     for flag, value in optional.items():
         if value is not None:
             command += [flag, str(value)]
-    return command
+    switches = {"--enable-memory-saver": enable_memory_saver, "--enable-weights-cpu-backup": enable_weights_cpu_backup}
+    return command + [flag for flag, on in switches.items() if on]
 
 
 def spawn_server(command: list[str], *, url: str, log_path: str | Path, env: dict[str, str] | None = None,
@@ -128,6 +134,10 @@ def start_cpu_engine(
     env: dict[str, str] | None = None,
     startup_timeout_s: float = 120.0,
     dtype: str | None = None,
+    enable_memory_saver: bool = False,
+    enable_weights_cpu_backup: bool = False,
+    health_check_timeout_s: float | None = None,
+    weight_update_group_timeout_s: float | None = None,
 ) -> ServerHandle:
     """Start one CPU engine server and wait until it is healthy."""
     port = port if port is not None else free_port(host)
@@ -137,7 +147,10 @@ def start_cpu_engine(
         log_path = name
     command = cpu_engine_command(model_path, host=host, port=port, api_key=api_key, threads=threads,
                                  tokenizer_path=tokenizer_path, max_batch=max_batch, weight_version=weight_version,
-                                 seed=seed, log_level=log_level, dtype=dtype)
+                                 seed=seed, log_level=log_level, dtype=dtype, enable_memory_saver=enable_memory_saver,
+                                 enable_weights_cpu_backup=enable_weights_cpu_backup,
+                                 health_check_timeout_s=health_check_timeout_s,
+                                 weight_update_group_timeout_s=weight_update_group_timeout_s)
     # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
     process_env = {**(env or {}), "OMP_NUM_THREADS": str(threads)}
     server = spawn_server(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key)

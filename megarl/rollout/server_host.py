@@ -7,8 +7,10 @@ its URL, PID and exit status, and keeps its output in `<log_dir>/rollout-<i>.log
 the driver does, so one slow server does not hold up an actor call.
 
 `start_hosts` creates one host per server: `use_ray=True` makes each a Ray
-actor, placed on its (placement group, bundle) slot when slots are given;
-otherwise the hosts live in the driver (tests, single-process runs).
+actor with the options of its `HostPlacement` (which the controller builds:
+scheduling strategy, resources, the GPUs its server uses); otherwise the hosts
+live in the driver (tests, single-process runs). Placement groups and GPU
+discovery are the controller's business; this module only takes their result.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class ServerSpec:
     mem_fraction: float = 0.8  # SGLang: --mem-fraction-static
     sglang_args: dict[str, Any] = field(default_factory=dict)  # the recipe's rollout.sglang block
     skip_tokenizer_init: bool = True
-    enable_memory_saver: bool = False
+    enable_memory_saver: bool = False  # allow /release_memory_occupation (colocated GPUs)
+    enable_weights_cpu_backup: bool = False  # resumed weights come back from a host copy
     seed: int | None = None
 
     def __post_init__(self):
@@ -68,6 +71,16 @@ def current_node_id() -> str | None:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+@dataclass(frozen=True)
+class HostPlacement:
+    """Where server i's host runs and what its server uses: Ray actor options (resources, a scheduling
+    strategy), the GPU ids to expose to the server process, and those GPUs' UUIDs (by server TP rank)."""
+
+    actor_options: dict[str, Any] = field(default_factory=dict)
+    gpu_ids: tuple[int, ...] | None = None
+    device_uuids: tuple[str, ...] | None = None
 
 
 class ServerHost:
@@ -149,6 +162,7 @@ class ServerHost:
             command = cpu_engine_command(
                 spec.model_path, host=self.address, port=self.port, api_key=spec.api_key, threads=spec.threads,
                 tokenizer_path=spec.tokenizer_path, weight_version=spec.weight_version, seed=spec.seed,
+                enable_memory_saver=spec.enable_memory_saver, enable_weights_cpu_backup=spec.enable_weights_cpu_backup,
             )
             # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
             return command, {"OMP_NUM_THREADS": str(spec.threads)}
@@ -156,7 +170,7 @@ class ServerHost:
             model_path=spec.model_path, host=self.address, port=self.port, tp_size=spec.tp,
             mem_fraction_static=spec.mem_fraction, api_key=spec.api_key, weight_version=spec.weight_version,
             skip_tokenizer_init=spec.skip_tokenizer_init, enable_memory_saver=spec.enable_memory_saver,
-            extra=spec.sglang_args,
+            enable_weights_cpu_backup=spec.enable_weights_cpu_backup, extra=spec.sglang_args,
         )
         env = {} if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in self.gpu_ids)}
         return command, env
@@ -196,62 +210,23 @@ class RayHost:
         ray.kill(self._actor)
 
 
-def start_hosts(
-    spec: ServerSpec,
-    num_servers: int,
-    *,
-    use_ray: bool,
-    slots: list[tuple[Any, int]] | None = None,
-    actor_options: dict[str, Any] | None = None,
-) -> list[LocalHost | RayHost]:
-    """One host per server. `slots` (Ray only) has `num_servers * spec.tp` entries, server i on slot i*tp.
-
-    With GPUs in `actor_options`, server i's process sees the GPUs of its tp slots (CUDA_VISIBLE_DEVICES).
-    """
+def start_hosts(spec: ServerSpec, num_servers: int, *, use_ray: bool,
+                placements: list[HostPlacement] | None = None) -> list[LocalHost | RayHost]:
+    """One host per server; with `use_ray`, server i's host is a Ray actor with `placements[i]`'s options."""
     if not use_ray:
-        if slots:
-            raise ValueError("start_hosts: placement slots need use_ray=True")
+        if placements:
+            raise ValueError("start_hosts: placements need use_ray=True")
         return [LocalHost(ServerHost(spec, index)) for index in range(num_servers)]
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if not ray.is_initialized():
         raise RuntimeError("start_hosts: use_ray=True needs a running Ray (ray.init first), or use_ray=False")
-    if slots is not None and len(slots) != num_servers * spec.tp:
-        raise ValueError(f"start_hosts: {num_servers} servers x tp {spec.tp} need {num_servers * spec.tp} slots, "
-                         f"got {len(slots)}")
-    options = {"num_cpus": 0, **(actor_options or {}), "max_restarts": 0}
+    placements = placements or [HostPlacement()] * num_servers
+    if len(placements) != num_servers:
+        raise ValueError(f"start_hosts: {num_servers} servers need {num_servers} placements, got {len(placements)}")
     remote_host = ray.remote(ServerHost)
-    hosts = []
-    for index in range(num_servers):
-        server_options = dict(options)
-        gpu_ids = None
-        if slots is not None:
-            group, bundle = slots[index * spec.tp]
-            server_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=bundle
-            )
-            if options.get("num_gpus"):
-                gpu_ids = _slot_gpu_ids(slots[index * spec.tp : (index + 1) * spec.tp], options["num_gpus"])
-        hosts.append(RayHost(remote_host.options(**server_options).remote(spec, index, gpu_ids)))
-    return hosts
-
-
-def _slot_gpu_ids(slots: list[tuple[Any, int]], num_gpus: float) -> list[int]:
-    """The GPU ids Ray assigns on each slot's bundle (one tiny task per bundle)."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    @ray.remote
-    def assigned_gpus() -> list[int]:
-        return [int(gpu) for gpu in ray.get_gpu_ids()]
-
-    futures = [
-        assigned_gpus.options(
-            num_cpus=0,
-            num_gpus=num_gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=b),
-        ).remote()
-        for group, b in slots
+    return [
+        RayHost(remote_host.options(**{"num_cpus": 0, **placement.actor_options, "max_restarts": 0})
+                .remote(spec, index, list(placement.gpu_ids) if placement.gpu_ids is not None else None))
+        for index, placement in enumerate(placements)
     ]
-    return [gpu for ids in ray.get(futures) for gpu in ids]

@@ -30,6 +30,7 @@ OWNED_FLAGS = {
     "weight-version": "nothing (the fleet tracks weight versions)",
     "skip-tokenizer-init": "nothing (megarl sends and reads token ids)",
     "enable-memory-saver": "nothing (set by the placement)",
+    "enable-weights-cpu-backup": "nothing (set by the placement)",
 }
 _KEY = re.compile(r"^[a-z][a-z0-9]*([_-][a-z0-9]+)*$")
 
@@ -79,6 +80,7 @@ def sglang_server_argv(
     weight_version: str | None = None,
     skip_tokenizer_init: bool = True,
     enable_memory_saver: bool = False,
+    enable_weights_cpu_backup: bool = False,
     extra: dict[str, Any] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
@@ -94,6 +96,8 @@ def sglang_server_argv(
         argv.append("--skip-tokenizer-init")
     if enable_memory_saver:
         argv.append("--enable-memory-saver")
+    if enable_weights_cpu_backup:
+        argv.append("--enable-weights-cpu-backup")
     return argv + passthrough_args(extra or {})
 
 

@@ -3,9 +3,10 @@
 Every transport fills the same two ring slots per sender each sync, so the buffers
 are allocated once and kept: faulting in fresh pages every sync would cost more than
 filling them. On CPU they are shared memory under torch's "file_system" strategy,
-so a buffer's pickle (`share_handle`) carries a /dev/shm name that another process
-on this host can map (`SharedMappings`): a colocated server reads the bucket in
-place, and the TP peers of the sending rank write their shards straight into it.
+so a buffer's pickle carries a /dev/shm name that another process on this host can
+map: a colocated server reads the bucket in place (`weight_wire` pickles it for
+the server), and the TP peers of the sending rank write their shards straight into
+it (`share_handle`, `SharedMappings`).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def share(tensor: Tensor) -> Tensor:
 
 
 def share_handle(payload: object) -> bytes:
-    """A pickle of `payload` whose tensors travel by reference to their shared storage (SGLang's
-    tensor format on CPU); a CPU tensor not yet shared is moved into shared memory first."""
+    """A pickle of `payload` whose tensors travel by reference to their shared storage, for the TP peers
+    of this rank; a CPU tensor not yet shared is moved into shared memory first."""
     _use_named_shared_memory()
     return bytes(ForkingPickler.dumps(payload, pickle.HIGHEST_PROTOCOL))
 

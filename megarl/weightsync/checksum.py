@@ -10,7 +10,7 @@ training never continues on silently wrong weights.
 from __future__ import annotations
 
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.cpu_engine.checksum import DIGEST_ALGORITHM, tensor_digest
+from megarl.rollout.weight_wire import DIGEST_ALGORITHM, tensor_digest
 from megarl.weightsync.session import WeightSyncError, call_servers
 
 __all__ = ["tensor_digest", "verify_server_checksums"]

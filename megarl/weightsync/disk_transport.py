@@ -6,7 +6,7 @@ Each stage sender writes its buckets as `model-<bucket>.safetensors` into
 buffer, no copy. When every sender is done, rank 0 adds
 `model.safetensors.index.json`, renames the directory to `<root>/v<version>`
 (atomic: a server never sees a half-written version), points every server at
-it and deletes older versions. The root must be visible to the servers (a
+it (`flush_cache: false`: the update session flushes) and deletes older versions. The root must be visible to the servers (a
 shared file system across nodes).
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.rollout.client import RolloutClient
 from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.plan import Bucket
@@ -31,6 +32,7 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+@WEIGHT_SYNC_TRANSPORTS.register("disk")
 class DiskTransport:
     name = "disk"
 
@@ -38,6 +40,13 @@ class DiskTransport:
         self.client = client
         self.root = Path(root)
         self._ring = BufferRing()
+
+    @classmethod
+    def create(cls, client: RolloutClient, *, timeout_s: float, disk_dir: str | Path | None = None,
+               server_devices=None) -> DiskTransport:
+        if disk_dir is None:
+            raise ValueError("the disk transport needs disk_dir (a run-local directory the servers can read)")
+        return cls(client, root=disk_dir)
 
     def buffer(self, slot: int, nbytes: int) -> Tensor:
         return self._ring.get(slot, nbytes)
@@ -71,7 +80,7 @@ class DiskTransport:
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
         call_servers(self.client, "POST", "/update_weights_from_disk",
-                     {"model_path": str(final.resolve()), "flush_cache": True},
+                     {"model_path": str(final.resolve()), "flush_cache": False},
                      phase=f"disk transport, load {final}")
         for old in self.root.glob("v*"):
             if old != final and old.is_dir():

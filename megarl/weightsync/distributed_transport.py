@@ -1,12 +1,28 @@
-"""The disaggregated `distributed` transport: buckets broadcast from each PP stage's sender to every server.
+"""The disaggregated `distributed` transport: buckets broadcast from each sender to every server.
 
-Each PP stage's sender owns one weight-update group with all servers (so stages
-send in parallel): it is rank 0, server i's TP rank r joins as
-`1 + (TP sizes of servers before i) + r`. The group is set up once, on the
+Each sender (one per PP stage and EP rank) owns one weight-update group with all
+servers: it is rank 0, server i's TP rank r joins as `1 + (TP sizes of servers
+before i) + r`.
+
+Why the senders take turns (`ordered_senders`): a real SGLang server serves weight
+operations strictly one at a time (its tokenizer manager holds a lock across each
+update and its scheduler is a single thread), and joining a group or receiving a
+broadcast blocks until every member takes part. With several senders pushing at
+once, server X can be inside group A's join or broadcast while server Y is inside
+group B's, each waiting for the other: a deadlock that grows likelier with more
+senders and servers. So the syncer runs the senders one after another in
+(PP stage, EP rank) order, each sender's turn ending when all its buckets are
+applied (every reply awaited): every server then sees the calls of all senders
+in one global order, and every call it serves can complete, for any number of
+senders and servers. Turns cost little: a server applies one update at a time
+anyway, and within a turn the next bucket still travels while the previous one
+is applied.
+
+The group is set up once, on the
 stage's first sync, and kept; a push to a different set of servers (a server was
 restarted) sets up a new one and drops the groups that contained any of them.
 Per bucket the metadata (`names`, `dtypes`, `shapes`, `load_format:
-"flattened_bucket"`, `flush_cache` on the stage's last bucket) goes over HTTP to
+"flattened_bucket"`, `flush_cache: false`) goes over HTTP to
 `/update_weights_from_distributed` while the bucket's bytes go by one broadcast
 (gloo on CPU, NCCL on GPU). The broadcast is polled next to the HTTP replies: a
 server that refuses the update fails the sync at once, one that stops answering
@@ -28,7 +44,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.ports import free_port
+from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.rollout.client import RolloutClient
+from megarl.rollout.weight_wire import wire_dtype
 from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.plan import Bucket
 from megarl.weightsync.session import WeightSyncError, call_servers, server_tp_sizes
@@ -39,8 +57,13 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_PENDING = 2  # bucket replies awaited at once: bounds the buckets a server holds received but not applied
 
 
+@WEIGHT_SYNC_TRANSPORTS.register(
+    "distributed",
+    refuses_colocation="a sender and a server TP rank on one GPU would join one NCCL communicator, which NCCL refuses",
+)
 class DistributedTransport:
     name = "distributed"
+    ordered_senders = True  # see the module docstring
 
     def __init__(self, client: RolloutClient, *, backend: str | None = None, timeout_s: float = 600.0,
                  group_prefix: str | None = None):
@@ -53,6 +76,11 @@ class DistributedTransport:
         self._ring = BufferRing(self.device)
         self._pool = ThreadPoolExecutor(MAX_PENDING + 1, thread_name_prefix="weight-sync-meta")
         self._pending: list[Future] = []
+
+    @classmethod
+    def create(cls, client: RolloutClient, *, timeout_s: float, disk_dir=None, server_devices=None
+               ) -> DistributedTransport:
+        return cls(client, timeout_s=timeout_s)
 
     @property
     def device(self) -> torch.device:
@@ -82,11 +110,11 @@ class DistributedTransport:
         tensors = bucket.tensors
         body = {
             "names": [t.name for t in tensors],
-            "dtypes": [str(bucket.dtype).removeprefix("torch.")] * len(tensors),
+            "dtypes": [wire_dtype(bucket.dtype)] * len(tensors),
             "shapes": [list(t.shape) for t in tensors],
             "group_name": name,
             "load_format": "flattened_bucket",
-            "flush_cache": last,
+            "flush_cache": False,  # the update session flushes (see `session`)
         }
         what = f"distributed transport, bucket {bucket.index} (PP stage {bucket.pp_rank}, group {name!r})"
         self._pending.append(self._pool.submit(call_servers, self.client, "POST", "/update_weights_from_distributed",

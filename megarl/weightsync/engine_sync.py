@@ -47,9 +47,12 @@ class EngineWeightSync:
         api_key: str | None,
         version: object,
         settings: WeightSyncSettings,
+        server_devices: list[list[str]] | None = None,
     ) -> dict[str, float] | None:
         """One sync of this rank's `weights` (an engine's `WeightShards`: Megatron-named shards per chunk,
-        the arch and the padded vocab) to `urls` under `version`; metrics on trainer rank 0, else None."""
+        the arch and the padded vocab) to `urls` under `version`; metrics on trainer rank 0, else None.
+
+        `server_devices`: per server, its TP ranks' GPU UUIDs (the tensor transport on GPUs needs them)."""
         verify, timeout_s, transport = settings.verify, settings.timeout_s, settings.transport
         if verify not in VERIFY_MODES:
             raise ValueError(f"weight_sync.verify: {verify!r} is not one of {VERIFY_MODES}")
@@ -66,7 +69,8 @@ class EngineWeightSync:
                                                padded_vocab=padded_vocab)
         servers = tuple(urls)
         disk_dir = settings.disk_dir
-        key = (servers, api_key, transport, plan_key, verify, timeout_s, str(disk_dir))
+        devices = tuple(tuple(server) for server in server_devices) if server_devices is not None else None
+        key = (servers, api_key, transport, plan_key, verify, timeout_s, str(disk_dir), devices)
         self._drop_restarted(servers, keep=key)
         reused = key in self._syncers
         syncer = self._syncer(key, coords=coords, disk_dir=disk_dir)
@@ -84,10 +88,11 @@ class EngineWeightSync:
 
     def _syncer(self, key: tuple, *, coords: RankCoords, disk_dir) -> WeightSyncer:
         if key not in self._syncers:
-            servers, api_key, transport, plan_key, verify, timeout_s, _ = key
+            servers, api_key, transport, plan_key, verify, timeout_s, _, devices = key
             needs_client = coords.rank == 0 or coords.is_sender
             client = RolloutClient(list(servers), api_key=api_key, timeout_s=timeout_s) if needs_client else None
-            sender_transport = make_transport(transport, client, timeout_s=timeout_s, disk_dir=disk_dir)
+            sender_transport = make_transport(transport, client, timeout_s=timeout_s, disk_dir=disk_dir,
+                                              server_devices=[list(d) for d in devices] if devices else None)
             syncer = WeightSyncer(self._plans[plan_key], sender_transport, self._groups, client=client,
                                   verify=verify == "checksum")
             self._syncers[key] = (syncer, client)

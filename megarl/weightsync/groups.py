@@ -8,7 +8,10 @@ MoE, DP ranks r < ep send EP rank r's experts, which are never TP-split; other
 replicas hold the same weights and stay idle) and a gloo control group over all
 ranks for the small object exchanges that keep every rank's outcome consistent.
 It also learns whether the TP group shares one host (`tp_same_host`): then CPU
-shards meet in shared memory instead of travelling over a socket.
+shards meet in shared memory instead of travelling over a socket; every rank's
+device (its GPU's UUID, None on CPU), which tells the colocated tensor transport
+which trainer rank shares a GPU with which server TP rank; and the senders in the
+order they take turns when a transport needs them one at a time.
 Building our own groups keeps megatron out of this package.
 """
 
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.rollout.weight_wire import device_uuid
 from megarl.weightsync.session import WeightSyncError
 
 
@@ -51,28 +55,36 @@ class RankCoords:
 
 
 class SyncGroups:
-    """This rank's TP gather group (None when it has no TP peers or is not in DP replica 0) and the control group."""
+    """This rank's TP gather group (None when it has no TP peers or is not in DP replica 0), the control group,
+    every rank's device (`devices`, by rank) and the senders in turn order (`senders`: (pp, ep, rank))."""
 
     def __init__(self, coords: RankCoords, *, tp_group, tp_ranks: list[int], control, timeout_s: float,
-                 tp_same_host: bool = False):
+                 tp_same_host: bool = False, devices: list[str | None] | None = None,
+                 senders: list[tuple[int, int, int]] | None = None):
         self.coords, self.tp_group, self.tp_ranks = coords, tp_group, tp_ranks
         self.control, self.timeout_s = control, timeout_s
         # Every rank of the TP group runs on this host: CPU shards can meet in shared memory.
         self.tp_same_host = tp_same_host
+        self.devices = devices if devices is not None else [device_identity()]
+        self.senders = senders if senders is not None else [(0, 0, 0)]
+        self._fanout = None
 
     @classmethod
-    def build(cls, coords: RankCoords, *, timeout_s: float) -> SyncGroups:
+    def build(cls, coords: RankCoords, *, timeout_s: float, device: str | None = None) -> SyncGroups:
+        """`device`: this rank's device identity (default: its GPU's UUID, None on CPU)."""
+        device = device if device is not None else device_identity()
         if coords.world_size == 1:
-            return cls(coords, tp_group=None, tp_ranks=[0], control=None, timeout_s=timeout_s)
+            return cls(coords, tp_group=None, tp_ranks=[0], control=None, timeout_s=timeout_s, devices=[device])
         timeout = timedelta(seconds=timeout_s)
         placed: list[Any] = [None] * coords.world_size
-        dist.all_gather_object(placed, (coords, host_identity()))
-        everyone = [c for c, _ in placed]
-        host_of = {c.rank: host for c, host in placed}
-        senders = sorted((c.pp_rank, c.ep_rank) for c in everyone if c.is_sender)
-        if senders != [(pp, ep) for pp in range(coords.pp_size) for ep in range(coords.ep_size)]:
+        dist.all_gather_object(placed, (coords, host_identity(), device))
+        everyone = [c for c, _, _ in placed]
+        host_of = {c.rank: host for c, host, _ in placed}
+        senders = sorted((c.pp_rank, c.ep_rank, c.rank) for c in everyone if c.is_sender)
+        if [(pp, ep) for pp, ep, _ in senders] != [(pp, ep) for pp in range(coords.pp_size)
+                                                 for ep in range(coords.ep_size)]:
             raise ValueError(f"weight sync needs one sender per (PP stage, EP rank) (TP rank 0, DP rank < ep); "
-                             f"the ranks give {senders}")
+                             f"the ranks give {[(pp, ep) for pp, ep, _ in senders]}")
         tp_group, tp_ranks = None, [coords.rank]
         # new_group is collective over the default group: every rank creates every group, in the same order.
         for pp_rank in range(coords.pp_size):
@@ -83,20 +95,51 @@ class SyncGroups:
                 tp_group, tp_ranks = group, ranks
         control = dist.new_group(list(range(coords.world_size)), timeout=timeout, backend="gloo")
         same_host = len({host_of[rank] for rank in tp_ranks}) == 1
+        devices = [None] * coords.world_size
+        for c, _, rank_device in placed:
+            devices[c.rank] = rank_device
         return cls(coords, tp_group=tp_group, tp_ranks=tp_ranks, control=control, timeout_s=timeout_s,
-                   tp_same_host=same_host)
+                   tp_same_host=same_host, devices=devices, senders=senders)
+
+    def participates(self, pp_rank: int, ep_rank: int) -> bool:
+        """Whether this rank works in the turn of (PP stage, EP rank)'s sender: the sender and its TP peers."""
+        coords = self.coords
+        return (coords.pp_rank, coords.ep_rank) == (pp_rank, ep_rank) and (coords.is_sender or coords.dp_rank == 0)
 
     def share_from_zero(self, value: Any, *, phase: str) -> Any:
         """Rank 0's `value` on every rank."""
+        return self.share_from(0, value, phase=phase)
+
+    def share_from(self, src: int, value: Any, *, phase: str) -> Any:
+        """Rank `src`'s `value` on every rank."""
         if self.control is None:
             return value
         box = [value]
         try:
-            dist.broadcast_object_list(box, src=0, group=self.control)
+            dist.broadcast_object_list(box, src=src, group=self.control)
         except RuntimeError as error:
-            raise WeightSyncError(f"{phase}: control broadcast from trainer rank 0 to rank {self.coords.rank} "
+            raise WeightSyncError(f"{phase}: control broadcast from trainer rank {src} to rank {self.coords.rank} "
                                   f"failed or timed out after {self.timeout_s:.0f} s: {error}") from error
         return box[0]
+
+    def gather_to(self, dst: int, value: Any, *, phase: str) -> list[Any] | None:
+        """Every rank's `value` in rank order on rank `dst`; None on the others."""
+        if self.control is None:
+            return [value]
+        values: list[Any] | None = [None] * self.coords.world_size if self.coords.rank == dst else None
+        try:
+            dist.gather_object(value, values, dst=dst, group=self.control)
+        except RuntimeError as error:
+            raise WeightSyncError(f"{phase}: control gather to trainer rank {dst} on rank {self.coords.rank} "
+                                  f"failed or timed out after {self.timeout_s:.0f} s: {error}") from error
+        return values
+
+    def fanout(self):
+        """A group of all ranks on the default backend (NCCL on GPUs), made on first use: collective."""
+        if self._fanout is None and self.control is not None:
+            self._fanout = dist.new_group(list(range(self.coords.world_size)),
+                                          timeout=timedelta(seconds=self.timeout_s))
+        return self._fanout
 
     def gather_all(self, value: Any, *, phase: str) -> list[Any]:
         """Every rank's `value`, in rank order, on every rank."""
@@ -119,6 +162,11 @@ def host_identity() -> str:
     except OSError:
         boot_id = ""
     return f"{socket.gethostname()}/{boot_id}"
+
+
+def device_identity() -> str | None:
+    """This rank's GPU, by UUID (the same GPU has the same UUID in every process); None without CUDA."""
+    return device_uuid(torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def device_for(backend: str | None = None) -> torch.device:

@@ -5,7 +5,10 @@ queue, digests them (checksum mode) and hands them to the transport; the main
 thread keeps gathering (a TP collective, which must stay on the thread that
 runs the other collectives). Two buffers circulate, so memory stays at two
 buckets. A failure on either side stops both and is raised on the main thread;
-every wait is bounded by the sync timeout.
+every wait is bounded by the sync timeout. Buffers on a GPU are sent from the
+main thread, one bucket after the other: the send may be an NCCL broadcast, and
+two NCCL communicators used at once from two threads of one process can deadlock
+(NCCL documents this).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megarl.rollout.cpu_engine.checksum import tensor_digest
+from megarl.rollout.weight_wire import tensor_digest
 from megarl.weightsync.plan import Bucket
 from megarl.weightsync.session import WeightSyncError
 
@@ -69,6 +72,8 @@ def run_stage(
             assemble(bucket, None)
         return {}
     nbytes = max((bucket.nbytes for bucket in buckets), default=0)
+    if buckets and transport.buffer(0, nbytes).is_cuda:
+        return _run_in_turn(buckets, assemble=assemble, transport=transport, verify=verify, nbytes=nbytes)
     free: queue.Queue[Tensor] = queue.Queue()
     for slot in range(min(2, len(buckets))):
         free.put(transport.buffer(slot, nbytes))
@@ -102,6 +107,19 @@ def run_stage(
         sender.join(timeout_s)
     if failure:
         raise failure[0]
+    return digests
+
+
+def _run_in_turn(buckets: Sequence[Bucket], *, assemble, transport: Transport, verify: bool, nbytes: int
+                 ) -> dict[str, str]:
+    """Assemble, then send, each bucket on this thread (no second thread inside an NCCL collective)."""
+    digests: dict[str, str] = {}
+    flat = transport.buffer(0, nbytes)
+    for bucket in buckets:
+        assemble(bucket, flat)
+        if verify:
+            digests.update((name, tensor_digest(t)) for name, t in bucket_views(bucket, flat))
+        transport.send(bucket, flat, last=bucket is buckets[-1])
     return digests
 
 

@@ -1,12 +1,16 @@
 """What every transport shares: the error type, sync statistics, phase-named HTTP calls, the update session.
 
 A sync is one update session on every server: generation paused in place,
-`/begin_weight_update`, the transport's updates (the last one flushes the cache),
-`/update_weight_version` with the new version, `/end_weight_update`, generation
-continued. Running requests never see half-updated weights, and a failed sync
-still closes the session and resumes generation. Every HTTP call is bounded by
-the client's timeout; a failure becomes a `WeightSyncError` naming the phase,
-the endpoint and the server URL.
+`/begin_weight_update`, the transport's updates, `/update_weight_version` with the
+new version (`abort_all_requests: false`, SGLang's default aborts every request),
+`/end_weight_update`, a cache flush, generation continued. Running requests never
+see half-updated weights, and a failed sync still closes the session and resumes
+generation. Transports send `flush_cache: false`: SGLang asserts that the flush
+after an update succeeds, and it fails (killing the server) while requests paused
+in place are still running; the session's own `/flush_cache` is allowed to fail
+then (those requests keep their KV cache, new ones start after the flush of the
+next idle sync). Every HTTP call is bounded by the client's timeout; a failure
+becomes a `WeightSyncError` naming the phase, the endpoint and the server URL.
 """
 
 from __future__ import annotations
@@ -68,9 +72,11 @@ def call_servers(client: RolloutClient, method: str, endpoint: str, bodies: list
 
 
 def server_tp_sizes(client: RolloutClient, *, phase: str) -> list[int]:
-    """Each server's TP size, from `/server_info` (a server that does not say has 1)."""
-    infos = call_servers(client, "GET", "/server_info", phase=phase)
-    return [int(info.get("tp_size", 1)) if isinstance(info, dict) else 1 for info in infos]
+    """Each server's TP size (`RolloutClient.tp_sizes`); WeightSyncError naming `phase` when a server fails."""
+    try:
+        return client.tp_sizes()
+    except RolloutError as error:
+        raise WeightSyncError(f"{phase}: {error}") from error
 
 
 class UpdateSession:
@@ -93,17 +99,37 @@ class UpdateSession:
     def close(self, *, weight_version: str) -> None:
         """Publish `weight_version` and end the session (generation continues even if publishing fails)."""
         try:
-            call_servers(self.client, "POST", "/update_weight_version", {"new_version": weight_version},
-                         phase="publish weight version")
+            call_servers(self.client, "POST", "/update_weight_version",
+                         {"new_version": weight_version, "abort_all_requests": False}, phase="publish weight version")
         finally:
             self.abort()
 
     def abort(self) -> None:
-        """End the session and resume generation, whatever state the servers are in."""
+        """End the session, flush the cache and resume generation, whatever state the servers are in."""
         try:
             call_servers(self.client, "POST", "/end_weight_update", {}, phase="end weight update")
         finally:
-            self._resume()
+            try:
+                self._flush_cache()
+            finally:
+                self._resume()
+
+    def _flush_cache(self) -> None:
+        """Drop KV computed with the old weights; a server with requests still in flight refuses (400)."""
+        async def flush(url: str) -> None:
+            try:
+                await self.client.request(url, "POST", "/flush_cache")
+            except RolloutError as error:
+                if error.status != 400:
+                    raise
+
+        async def all_servers() -> list:
+            return await asyncio.gather(*(flush(url) for url in self.client.urls), return_exceptions=True)
+
+        failed = [f"{url}: {error}" for url, error in zip(self.client.urls, self.client.run(all_servers()))
+                  if isinstance(error, BaseException)]
+        if failed:
+            raise WeightSyncError("flush cache: POST /flush_cache failed on " + "; ".join(failed))
 
     def _resume(self) -> None:
         if self.pause_mode is not None:

@@ -5,7 +5,12 @@
    and lets the transport prepare; every rank learns whether that worked;
 2. each PP stage of DP replica 0 gathers and assembles its buckets; the
    stage's TP rank 0 sends them (`pipeline.run_stage`), all stages (and, for
-   MoE, the EP ranks of each stage with their experts) at once;
+   MoE, the EP ranks of each stage with their experts) at once, unless the
+   transport needs its senders one at a time (`ordered_senders`, the
+   distributed transport: see there) or fans buckets out to every rank (the
+   tensor transport on GPUs, `fanout`): then the senders take turns in
+   (PP stage, EP rank) order, and after each turn every rank learns whether it
+   failed (a failed turn skips the later ones);
 3. every rank's outcome (and, in checksum mode, its digests) goes to every rank;
 4. if all succeeded rank 0 commits the transport, publishes the new version,
    verifies the checksums and closes the session; otherwise it aborts the
@@ -25,6 +30,7 @@ import torch
 from megarl.rollout.client import RolloutClient
 from megarl.weightsync.checksum import verify_server_checksums
 from megarl.weightsync.buffers import SharedMappings
+from megarl.weightsync.fanout import run_fanout_turn
 from megarl.weightsync.gather import StageAssembler
 from megarl.weightsync.groups import SyncGroups
 from megarl.weightsync.pipeline import Transport, run_stage
@@ -52,7 +58,10 @@ class WeightSyncer:
         opened = self.groups.share_from_zero(opened, phase="open update session")
         if opened is not None:
             raise WeightSyncError(opened if self.coords.rank == 0 else f"trainer rank 0: {opened}")
-        outcome = self._send_stage(local, weight_version=weight_version)
+        if getattr(self.transport, "fanout", False) or getattr(self.transport, "ordered_senders", False):
+            outcome = self._send_in_turns(local, weight_version=weight_version)
+        else:
+            outcome = self._send_stage(local, weight_version=weight_version)
         outcomes = self.groups.gather_all(outcome, phase="collect sender outcomes")
         failures = [f"trainer rank {rank}: {error}" for rank, (error, _) in enumerate(outcomes) if error]
         final = self._on_rank_zero(lambda: self._finish(failures, outcomes, weight_version))
@@ -92,6 +101,37 @@ class WeightSyncer:
             digests = run_stage(buckets, assemble=assemble, transport=self.transport if coords.is_sender else None,
                                 verify=self.verify, timeout_s=self.groups.timeout_s)
             return None, digests
+        except Exception as error:  # noqa: BLE001 - reported through the exchange, raised on every rank
+            return _describe(error), {}
+
+    def _send_in_turns(self, local, *, weight_version: str) -> tuple[str | None, dict[str, str]]:
+        """One turn per sender, in (PP stage, EP rank) order; every rank passes through every turn."""
+        fanout = getattr(self.transport, "fanout", False)
+        error, digests, failed = None, {}, None
+        for pp_rank, ep_rank, sender in self.groups.senders:
+            if failed is None and (fanout or self.groups.participates(pp_rank, ep_rank)):
+                if fanout:
+                    turn_error, turn_digests = self._fanout_turn(local, pp_rank, ep_rank, sender, weight_version)
+                else:
+                    turn_error, turn_digests = self._send_stage(local, weight_version=weight_version)
+                error, digests = error or turn_error, {**digests, **turn_digests}
+            turn = self.groups.share_from(sender, error if self.coords.rank == sender else None,
+                                          phase=f"end of sender rank {sender}'s turn")
+            failed = failed or turn  # the failing sender reports it; later turns are skipped on every rank
+        return error, digests
+
+    def _fanout_turn(self, local, pp_rank: int, ep_rank: int, sender: int, weight_version: str):
+        """(error or None, digests) of one sender's fan-out turn; never raises (see `_send_stage`)."""
+        try:
+            buckets = self.plan.stage_buckets(pp_rank, ep_rank=ep_rank)
+            assemble = None
+            if self.groups.participates(pp_rank, ep_rank):
+                assemble = StageAssembler(self.plan, local, self.groups, self._scratch, buckets=buckets,
+                                          mappings=self._mappings)
+            if self.coords.rank == sender:
+                self.transport.start_stage(pp_rank, weight_version=weight_version)
+            return None, run_fanout_turn(buckets, sender=sender, assemble=assemble, transport=self.transport,
+                                         groups=self.groups, verify=self.verify)
         except Exception as error:  # noqa: BLE001 - reported through the exchange, raised on every rank
             return _describe(error), {}
 

@@ -1,8 +1,8 @@
 """The trainer's side of an SGLang weight-update group: rank 0 of a fresh process group with the servers.
 
-SGLang's `init_custom_process_group` protocol: the trainer hosts a TCP store at
-`master_address:master_port`, every server TP rank connects as
-`rank_offset + tp_rank`, and a process group is built outside the default
+SGLang's `init_custom_process_group` protocol (`megarl.rollout.weight_wire.new_update_group`):
+the trainer hosts a TCP store at `master_address:master_port`, every server TP rank
+connects as `rank_offset + tp_rank`, and a process group is built outside the default
 group from `PrefixStore(group_name, store)`. The trainer's half runs in a
 thread while the servers' `/init_weights_update_group` calls are in flight, so
 a server that answers with an error fails the set-up at once instead of after
@@ -15,29 +15,14 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
 from megarl.rollout.client import RolloutClient, RolloutError
+from megarl.rollout.weight_wire import new_update_group
 from megarl.weightsync.session import WeightSyncError
 
 POLL_S = 0.02
-
-
-def host_group(*, master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
-               timeout_s: float) -> dist.ProcessGroup:
-    """Create the group as rank 0 (blocks until every rank joined or `timeout_s` passed)."""
-    timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    group = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, timeout=timeout)
-    group = group[0] if isinstance(group, tuple) else group  # some torch versions return (group, store)
-    # Registered ranks let destroy_process_group forget the name, so it can be reused.
-    _world.pg_group_ranks[group] = {rank: rank for rank in range(world_size)}
-    return group
 
 
 def init_update_group(client: RolloutClient, *, urls: list[str], tp_sizes: list[int], master_address: str,
@@ -54,7 +39,7 @@ def init_update_group(client: RolloutClient, *, urls: list[str], tp_sizes: list[
                 "world_size": world_size, "group_name": group_name, "backend": backend}))
             for url, offset in zip(urls, offsets)
         ]
-        hosting = pool.submit(host_group, master_address=master_address, master_port=master_port,
+        hosting = pool.submit(new_update_group, master_address=master_address, master_port=master_port, rank=0,
                               world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s + 5.0
         while not (hosting.done() and all(call.done() for call in calls)):

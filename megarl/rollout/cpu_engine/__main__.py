@@ -28,10 +28,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="weight dtype, as SGLang's --dtype ('auto': the checkpoint's torch_dtype); float32 by "
                              "default because bf16 matmuls on CPU are slow and round log-probs")
     parser.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--enable-memory-saver", action="store_true",
+                        help="allow /release_memory_occupation and /resume_memory_occupation (SGLang's flag)")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true",
+                        help="resume released weights from a host copy (without it they come back undefined: NaN)")
+    parser.add_argument("--health-check-timeout-s", type=float, default=20.0,
+                        help="how long /health waits for its one-token generation (SGLANG_HEALTH_CHECK_TIMEOUT)")
+    parser.add_argument("--weight-update-group-timeout-s", type=float, default=600.0,
+                        help="how long joining or receiving from a weight-update group may take")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     args = parser.parse_args(argv)
     if args.max_batch < 1 or args.threads < 1:
         parser.error("--max-batch and --threads must be >= 1")
+    if args.health_check_timeout_s <= 0 or args.weight_update_group_timeout_s <= 0:
+        parser.error("--health-check-timeout-s and --weight-update-group-timeout-s must be > 0")
     return args
 
 

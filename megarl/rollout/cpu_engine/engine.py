@@ -1,26 +1,33 @@
-"""The engine state behind the HTTP routes: model, tokenizer, scheduler, weight version, update session.
+"""The engine state behind the HTTP routes: model, tokenizer, scheduler, weight version, update session, memory.
 
 Control operations are blocking and run on a worker thread of the HTTP server
-(`asyncio.to_thread`); `_control_lock` makes them one-at-a-time, except joining
-and receiving from weight-update groups, which `UpdateGroups` serialises per
-group so that one group per trainer PP stage can receive at once. Weight updates
-follow SGLang 0.5.23: tensor and distributed updates must sit between
-`begin_weight_update` and `end_weight_update` (disk updates need no session); each update is
-decoded and checked off the generation path, then copied in while the
-scheduler holds between two decode steps, so running requests continue on the
-new weights (SGLang's in-place behaviour) and report the new `weight_version`.
+(`asyncio.to_thread`); the HTTP layer serves weight operations (group joins,
+updates, memory release) one at a time, in arrival order, as SGLang's tokenizer
+manager and single-threaded scheduler do. Weight updates follow SGLang 0.5.23:
+tensor and distributed updates must sit between `begin_weight_update` and
+`end_weight_update` (disk updates need no session); each is decoded and checked,
+then copied in while the scheduler holds between two decode steps, so requests
+paused in place continue on the new weights and report the new `weight_version`.
+
+`FatalError` marks the failures that kill SGLang's scheduler, and with it the
+server, because SGLang does not guard them: a tensor payload that names a global
+outside its allow-list or has no entry for a TP rank, a cache flush after an
+update while requests run or wait, a memory release while the server is busy.
+The HTTP layer answers such a request with 500 and then ends this process, so a
+CPU test fails exactly where a GPU cluster would.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
-from megarl.rollout.cpu_engine.checksum import DIGEST_ALGORITHM
+from megarl.rollout.cpu_engine.memory import MemorySaver
 from megarl.rollout.cpu_engine.scheduler import Scheduler
 from megarl.rollout.cpu_engine.sequence import Sequence
-from megarl.rollout.cpu_engine.update_group import UpdateGroups, parse_dtype
+from megarl.rollout.cpu_engine.update_group import UpdateGroups
 from megarl.rollout.cpu_engine.weights import (
     WeightUpdateError,
     apply_named_tensors,
@@ -30,10 +37,21 @@ from megarl.rollout.cpu_engine.weights import (
     read_checkpoint,
     weight_checksums,
 )
-from megarl.rollout.tensor_transport import deserialize_named_tensors
+from megarl.rollout.weight_wire import (
+    DIGEST_ALGORITHM,
+    UnsafePayloadError,
+    deserialize_payload,
+    named_tensors_of,
+    parse_dtype,
+)
 
 SERVER_VERSION = "megarl-cpu-engine/0.1 (SGLang 0.5.23 HTTP protocol)"
 RECENT_BUCKETS = 8  # bucket buffers kept mapped: a few per sender, two or four PP stages
+TP_SIZE = 1  # one process holds the whole model: tensor updates read entry 0
+
+
+class FatalError(RuntimeError):
+    """A failure SGLang's scheduler does not survive; the server answers it and then exits."""
 
 
 @dataclass
@@ -51,6 +69,10 @@ class EngineArgs:
     seed: int = 0
     attn_implementation: str = "sdpa"
     dtype: str = "float32"
+    enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
+    health_check_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+    weight_update_group_timeout_s: float = 600.0
 
 
 class CpuEngine:
@@ -65,12 +87,13 @@ class CpuEngine:
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.context_length = int(self.model.config.max_position_embeddings)
         self.weight_version = args.weight_version
+        self.memory = MemorySaver(self.model, cpu_backup=args.enable_weights_cpu_backup)
+        self.weight_op_in_progress: str | None = None  # set by the HTTP layer, reported by /server_info
         self._update_selector: str | None = None
-        self._update_groups = UpdateGroups()
+        self._update_groups = UpdateGroups(timeout_s=args.weight_update_group_timeout_s)
         # The newest shared-memory bucket buffers received: a trainer reuses a few buffers,
         # and while we hold a storage torch's cache maps its file once instead of once per
         # bucket (re-mapping page-faulted ~0.15 s per 1.9 GB, a third of the update time).
-        # At most RECENT_BUCKETS buffers stay mapped after the trainer frees them.
         self._recent_buckets: deque = deque(maxlen=RECENT_BUCKETS)
         self._control_lock = threading.Lock()
         self.scheduler = Scheduler(
@@ -95,7 +118,11 @@ class CpuEngine:
         # and one that exits still holding it leaves the file behind for good.
         self._recent_buckets.clear()
 
-    # ---- weight updates: each returns (success, message) ------------------------------------
+    def idle(self) -> bool:
+        running, waiting = self.scheduler.load()
+        return running == 0 and waiting == 0
+
+    # ---- weight updates: each returns (success, message) or raises FatalError -----------------
 
     def begin_weight_update(self, selector: str) -> tuple[bool, str]:
         with self._control_lock:
@@ -113,47 +140,51 @@ class CpuEngine:
             self._update_selector = None
             return True, "Success"
 
-    def update_weights_from_tensor(
-        self,
-        serialized_named_tensors: list[str],
-        *,
-        load_format: str | None,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> tuple[bool, str]:
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None,
+                                   flush_cache: bool, abort_all_requests: bool, weight_version: str | None
+                                   ) -> tuple[bool, str]:
         with self._control_lock:
-            if self._update_selector is None:
-                return False, "update_weights_from_tensor requires an open begin_weight_update session"
-            if len(serialized_named_tensors) != 1:
-                return False, (
-                    f"serialized_named_tensors: expected 1 entry (one per TP rank, this server has 1), "
-                    f"got {len(serialized_named_tensors)}"
-                )
+            refused = self._refuse_update("update_weights_from_tensor")
+            if refused:
+                return False, refused
+            if len(serialized_named_tensors) < TP_SIZE:
+                # SGLang's TP rank r reads entry r unguarded: an IndexError its scheduler dies of.
+                raise FatalError(f"update_weights_from_tensor: serialized_named_tensors has "
+                                 f"{len(serialized_named_tensors)} entries, TP rank 0 of {TP_SIZE} has none")
+            if len(serialized_named_tensors) > TP_SIZE:
+                return False, (f"serialized_named_tensors: expected {TP_SIZE} entry (one per TP rank, this server "
+                               f"has {TP_SIZE}), got {len(serialized_named_tensors)}; the extra pickles' shared "
+                               f"buffers would never be released")
             try:
-                named = deserialize_named_tensors(serialized_named_tensors[0], load_format=load_format)
+                payload = deserialize_payload(serialized_named_tensors[0])
+            except (UnsafePayloadError, ValueError) as error:
+                raise FatalError(f"update_weights_from_tensor: {error}") from error
+            try:
+                named = named_tensors_of(payload, load_format=load_format)
             except ValueError as error:
                 return False, str(error)
             if load_format == "flattened_bucket" and named:
                 self._recent_buckets.append(named[0][1].untyped_storage())
-            return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
+            return self._apply(named, flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+                               weight_version=weight_version)
 
-    def update_weights_from_disk(
-        self, model_path: str, *, abort_all_requests: bool, weight_version: str | None
-    ) -> tuple[bool, str]:
+    def update_weights_from_disk(self, model_path: str, *, flush_cache: bool, abort_all_requests: bool,
+                                 weight_version: str | None) -> tuple[bool, str]:
         with self._control_lock:
+            refused = self.memory.refusal("update_weights_from_disk", needs=("weights",))
+            if refused:
+                return False, refused
             try:
                 named = read_checkpoint(self.model, model_path)
             except WeightUpdateError as error:
                 return False, f"update refused, no weight changed: {error}"
             except OSError as error:
                 return False, f"model_path {model_path!r}: {error}"
-            return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
+            return self._apply(named, flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+                               weight_version=weight_version)
 
-    def init_weights_update_group(
-        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str
-    ) -> tuple[bool, str]:
-        # Not under the control lock: joining blocks until the trainer's stage joins, and
-        # several groups (one per trainer PP stage) may be joining at once.
+    def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str) -> tuple[bool, str]:
         try:
             self._update_groups.join(master_address=master_address, master_port=master_port,
                                      rank=rank_offset, world_size=world_size, group_name=group_name)
@@ -161,30 +192,26 @@ class CpuEngine:
             return False, f"init_weights_update_group failed: {error}"
         return True, f"Joined {group_name!r} as rank {rank_offset} of {world_size}"
 
-    def update_weights_from_distributed(
-        self,
-        *,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        load_format: str | None,
-        abort_all_requests: bool,
-        weight_version: str | None,
-    ) -> tuple[bool, str]:
+    def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str, load_format: str | None, flush_cache: bool,
+                                        abort_all_requests: bool, weight_version: str | None) -> tuple[bool, str]:
         with self._control_lock:
-            if self._update_selector is None:
-                return False, "update_weights_from_distributed requires an open begin_weight_update session"
+            refused = self._refuse_update("update_weights_from_distributed")
         try:
             torch_dtypes = [parse_dtype(dtype) for dtype in dtypes]
-            # Received outside the control lock, so groups of different trainer PP stages
-            # receive concurrently. Everything is received even when the tensors will be
-            # refused: a receiver that stops early would leave the trainer blocked in broadcast.
-            with self._update_groups.received(group_name, names, torch_dtypes, shapes,
-                                              flattened=load_format == "flattened_bucket") as named:
+            # The scheduler waits while this receives, as SGLang's does (it receives on the scheduler
+            # thread). Everything is received even when it will be refused: a receiver that stops
+            # early would leave the trainer blocked in its broadcast.
+            with self.scheduler.hold(), self._update_groups.received(
+                    group_name, names, torch_dtypes, shapes, flattened=load_format == "flattened_bucket") as named:
+                if refused:
+                    return False, refused
                 with self._control_lock:
-                    return self._apply(named, abort_all_requests=abort_all_requests, weight_version=weight_version)
+                    return self._apply(named, flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+                                       weight_version=weight_version, held=True)
         except (ValueError, RuntimeError) as error:
+            if isinstance(error, FatalError):
+                raise
             return False, str(error)
 
     def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
@@ -194,12 +221,15 @@ class CpuEngine:
             return False, str(error)
         return True, "Success"
 
-    def weights_checksum(self) -> dict:
-        """megarl's extension (see `checksum`): a digest of every weight tensor, read between decode steps."""
+    def weights_checksum(self) -> tuple[bool, dict | str]:
+        """megarl's extension (see `weight_wire.tensor_digest`): a digest of every weight, read between steps."""
         with self._control_lock, self.scheduler.hold():
+            refused = self.memory.refusal("read weights", needs=("weights",))
+            if refused:
+                return False, refused
             checksums = weight_checksums(self.model)
             version = self.weight_version
-        return {"algorithm": DIGEST_ALGORITHM, "weight_version": version, "checksums": checksums}
+        return True, {"algorithm": DIGEST_ALGORITHM, "weight_version": version, "checksums": checksums}
 
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
         with self._control_lock:
@@ -207,24 +237,66 @@ class CpuEngine:
                 self.scheduler.abort(abort_all=True, message="aborted by update_weight_version")
             self.weight_version = new_version
 
-    def _apply(self, named, *, abort_all_requests: bool, weight_version: str | None) -> tuple[bool, str]:
+    def _refuse_update(self, action: str) -> str | None:
+        if self._update_selector is None:
+            return f"{action} requires an open begin_weight_update session"
+        return self.memory.refusal(action, needs=("weights",))
+
+    def _apply(self, named, *, flush_cache: bool, abort_all_requests: bool, weight_version: str | None,
+               held: bool = False) -> tuple[bool, str]:
         if abort_all_requests:
             self.scheduler.abort(abort_all=True, message="aborted by a weight update")
-        with self.scheduler.hold():
+        with nullcontext() if held else self.scheduler.hold():
             try:
                 count = apply_named_tensors(self.model, named)
             except WeightUpdateError as error:
                 return False, f"update refused, no weight changed: {error}"
             if weight_version is not None:
                 self.weight_version = weight_version
+        if flush_cache and not self.flush_cache():
+            # SGLang: `assert flush_cache_success, "Cache flush failed after updating weights"` in its scheduler.
+            running, waiting = self.scheduler.load()
+            raise FatalError(f"Cache flush failed after updating weights: flush_cache is true while {running} "
+                             f"requests run and {waiting} wait (pause with mode 'abort', or send flush_cache: false "
+                             f"and flush once the server is idle)")
         return True, f"Succeeded to update {count} tensors"
+
+    # ---- memory --------------------------------------------------------------------------------
+
+    def release_memory_occupation(self, tags: list[str] | None) -> tuple[bool, str]:
+        with self._control_lock:
+            if not self.args.enable_memory_saver:
+                # SGLang without the flag answers success and frees nothing: refusing makes that visible.
+                return False, "release_memory_occupation needs the server started with --enable-memory-saver"
+            try:
+                chosen = MemorySaver.tags_of(tags)
+            except ValueError as error:
+                return False, str(error)
+            if not self.idle():
+                running, waiting = self.scheduler.load()
+                raise FatalError(f"release_memory_occupation should be called only when server is idle "
+                                 f"({running} requests run, {waiting} wait)")
+            with self.scheduler.hold():
+                self.memory.release(chosen)
+            return True, f"Released {chosen}"
+
+    def resume_memory_occupation(self, tags: list[str] | None) -> tuple[bool, str]:
+        with self._control_lock:
+            if not self.args.enable_memory_saver:
+                return False, "resume_memory_occupation needs the server started with --enable-memory-saver"
+            try:
+                chosen = MemorySaver.tags_of(tags)
+            except ValueError as error:
+                return False, str(error)
+            with self.scheduler.hold():
+                self.memory.resume(chosen)
+            return True, f"Resumed {chosen}"
 
     # ---- state ---------------------------------------------------------------------------------
 
     def flush_cache(self) -> bool:
         """No prefix cache to drop on CPU; like SGLang, refuse while requests run or wait."""
-        running, waiting = self.scheduler.load()
-        return running == 0 and waiting == 0
+        return self.idle()
 
     def model_info(self) -> dict:
         return {
@@ -245,7 +317,7 @@ class CpuEngine:
         return {
             **settings,
             "version": SERVER_VERSION,
-            "tp_size": 1,  # one process holds the whole model; weight updates take one entry
+            "tp_size": TP_SIZE,
             "weight_version": self.weight_version,
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
@@ -253,4 +325,6 @@ class CpuEngine:
             "num_waiting_reqs": waiting,
             "paused": self.scheduler.paused,
             "weight_update_session_open": self._update_selector is not None,
+            "memory_released": sorted(self.memory.released),
+            "weight_op_in_progress": self.weight_op_in_progress,
         }

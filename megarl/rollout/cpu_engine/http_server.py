@@ -1,12 +1,23 @@
 """The FastAPI app: SGLang's HTTP endpoints on top of `CpuEngine`.
 
 The server listens before the model has loaded: `/health` answers 503 until
-the engine is ready, then 200 (empty body), and every other endpoint answers
-503 meanwhile. With an API key every endpoint except `/health*` needs
-`Authorization: Bearer <key>` (SGLang's rule) and answers 401 otherwise.
-Bad requests get 400 with a message naming the field: `{"error": {"message"}}`
-for `/generate` (SGLang's shape), `{"success": false, "message"}` for weight
-updates. A failing request never takes the server down.
+the engine is ready, and every other endpoint answers 503 meanwhile. With an API
+key every endpoint except `/health*` needs `Authorization: Bearer <key>`
+(SGLang's rule) and answers 401 otherwise. Bad requests get 400 with a message
+naming the field: `{"error": {"message"}}` for `/generate` (SGLang's shape),
+`{"success": false, "message"}` for weight updates.
+
+As strict as SGLang 0.5.23:
+- `/health` and `/health_generate` run a one-token generation and answer 200 once
+  it finishes, else 503 after `--health-check-timeout-s` (SGLang's 20 s): while
+  generation is paused (a weight update) they block, then fail.
+- Weight operations (group joins, updates, memory release and resume) are served
+  one at a time, in arrival order. A weight update that comes while generation is
+  not paused first waits for the running requests to finish and holds new ones
+  back (SGLang's model-update lock); while paused it runs at once.
+- A failure that kills SGLang's scheduler (`engine.FatalError`) is answered with
+  500 and then this process exits, as SGLang's server does.
+Any other failing request leaves the server up.
 """
 
 from __future__ import annotations
@@ -17,13 +28,13 @@ import json
 import logging
 import os
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from megarl.rollout.cpu_engine.engine import CpuEngine, EngineArgs
+from megarl.rollout.cpu_engine.engine import CpuEngine, EngineArgs, FatalError
 from megarl.rollout.cpu_engine.generate_io import GenerateJob, build_job, output_dict
 from megarl.rollout.cpu_engine.schema import (
     AbortRequestBody,
@@ -34,7 +45,9 @@ from megarl.rollout.cpu_engine.schema import (
     GenerateBody,
     InitWeightsUpdateGroupBody,
     PauseGenerationBody,
+    ReleaseMemoryOccupationBody,
     RequestError,
+    ResumeMemoryOccupationBody,
     UpdateWeightsFromDiskBody,
     UpdateWeightsFromDistributedBody,
     UpdateWeightsFromTensorBody,
@@ -45,7 +58,7 @@ from megarl.rollout.cpu_engine.sequence import SamplingSettings, Sequence
 
 logger = logging.getLogger(__name__)
 
-HEALTH_GENERATE_TIMEOUT_S = 20.0
+EXIT_DELAY_S = 0.2  # after a fatal error: long enough to send the 500, as SGLang's dying server may not
 
 
 def build_app(args: EngineArgs) -> FastAPI:
@@ -75,22 +88,44 @@ def build_app(args: EngineArgs) -> FastAPI:
     def engine() -> CpuEngine:
         return holder["engine"]
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if "engine" in holder else 503)
+    gate = _ModelUpdateGate()
+    weight_ops = asyncio.Lock()  # FIFO: weight operations are served one at a time, in arrival order
 
+    async def weight_op(action, *call_args, update: bool = False, **call_kwargs) -> JSONResponse:
+        """Run a blocking engine call as SGLang serves weight operations; its (success, message) as JSON.
+
+        `update`: a weight update, which (unless generation is paused) waits for the model-update gate;
+        SGLang takes that lock for updates only, not for group joins or memory release."""
+        async with weight_ops:
+            exclusive = gate.exclusive() if update and not engine().scheduler.paused else nullcontext()
+            async with exclusive:
+                engine().weight_op_in_progress = action.__name__
+                try:
+                    success, message = await asyncio.to_thread(action, *call_args, **call_kwargs)
+                except FatalError as error:
+                    return _die(str(error))
+                finally:
+                    engine().weight_op_in_progress = None
+        return _result(success, message)
+
+    @app.api_route("/health", methods=["GET"])
     @app.api_route("/health_generate", methods=["GET", "POST"])
-    async def health_generate() -> Response:
-        """200 once a one-token generation succeeds; 503 at once while generation is paused."""
-        if engine().scheduler.paused:
+    async def health() -> Response:
+        """200 once a one-token generation finishes; 503 while starting, released, or after the timeout."""
+        if "engine" not in holder or engine().memory.released:
             return Response(status_code=503)
-        rid = f"health_generate_{uuid.uuid4().hex}"
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
         seq = Sequence(rid=rid, request_rid=rid, prompt_ids=[0],
                        sampling=SamplingSettings(max_new_tokens=1, temperature=0.0))
+
+        async def one_token() -> None:
+            async with gate.shared():
+                await _run(engine(), [seq])
+
         try:
-            await asyncio.wait_for(_run(engine(), [seq]), HEALTH_GENERATE_TIMEOUT_S)
+            await asyncio.wait_for(one_token(), args.health_check_timeout_s)
         except asyncio.TimeoutError:
-            engine().scheduler.abort(seq.rid, message="health_generate timed out")
+            engine().scheduler.abort(seq.rid, message="health check timed out")
             return Response(status_code=503)
         return Response(status_code=200 if seq.finish_reason["type"] != "abort" else 503)
 
@@ -112,6 +147,9 @@ def build_app(args: EngineArgs) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        refused = engine().memory.refusal("generate")
+        if refused:
+            return JSONResponse({"error": {"message": refused}}, status_code=400)
         try:
             body = parse_body(GenerateBody, await _json(request))
             job = build_job(
@@ -123,8 +161,9 @@ def build_app(args: EngineArgs) -> FastAPI:
         except RequestError as error:
             return JSONResponse({"error": {"message": "; ".join(error.problems)}}, status_code=400)
         if job.stream:
-            return StreamingResponse(_stream(engine(), job), media_type="text/event-stream")
-        await _run(engine(), job.seqs)
+            return StreamingResponse(_stream(engine(), job, gate), media_type="text/event-stream")
+        async with gate.shared():
+            await _run(engine(), job.seqs)
         outputs = [_output(engine(), job, seq) for seq in job.seqs]
         return JSONResponse(outputs if job.returns_list else outputs[0])
 
@@ -160,6 +199,14 @@ def build_app(args: EngineArgs) -> FastAPI:
         engine().scheduler.resume()
         return _result(True, "Generation continued.")
 
+    @control_route("/release_memory_occupation", ReleaseMemoryOccupationBody)
+    async def release_memory_occupation(body: ReleaseMemoryOccupationBody) -> Response:
+        return await weight_op(engine().release_memory_occupation, body.tags)
+
+    @control_route("/resume_memory_occupation", ResumeMemoryOccupationBody)
+    async def resume_memory_occupation(body: ResumeMemoryOccupationBody) -> Response:
+        return await weight_op(engine().resume_memory_occupation, body.tags)
+
     @control_route("/update_weight_version", UpdateWeightVersionBody)
     async def update_weight_version(body: UpdateWeightVersionBody) -> Response:
         await asyncio.to_thread(
@@ -177,58 +224,113 @@ def build_app(args: EngineArgs) -> FastAPI:
 
     @control_route("/update_weights_from_tensor", UpdateWeightsFromTensorBody)
     async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> Response:
-        return _result(*await asyncio.to_thread(
+        return await weight_op(
             engine().update_weights_from_tensor,
             body.serialized_named_tensors,
+            update=True,
             load_format=body.load_format,
-            abort_all_requests=body.abort_all_requests,
-            weight_version=body.weight_version,
-        ))
-
-    @control_route("/update_weights_from_disk", UpdateWeightsFromDiskBody)
-    async def update_weights_from_disk(body: UpdateWeightsFromDiskBody) -> Response:
-        success, message = await asyncio.to_thread(
-            engine().update_weights_from_disk,
-            body.model_path,
+            flush_cache=body.flush_cache,
             abort_all_requests=body.abort_all_requests,
             weight_version=body.weight_version,
         )
-        return _result(success, message, num_paused_requests=0)
+
+    @control_route("/update_weights_from_disk", UpdateWeightsFromDiskBody)
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskBody) -> Response:
+        reply = await weight_op(
+            engine().update_weights_from_disk,
+            body.model_path,
+            update=True,
+            flush_cache=body.flush_cache,
+            abort_all_requests=body.abort_all_requests,
+            weight_version=body.weight_version,
+        )
+        if reply.status_code == 500:
+            return reply
+        content = json.loads(reply.body)
+        return _result(content["success"], content["message"], num_paused_requests=0)
 
     @control_route("/init_weights_update_group", InitWeightsUpdateGroupBody)
     async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> Response:
-        return _result(*await asyncio.to_thread(
+        return await weight_op(
             engine().init_weights_update_group,
             master_address=body.master_address,
             master_port=body.master_port,
             rank_offset=body.rank_offset,
             world_size=body.world_size,
             group_name=body.group_name,
-        ))
+        )
 
     @control_route("/update_weights_from_distributed", UpdateWeightsFromDistributedBody)
     async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> Response:
-        return _result(*await asyncio.to_thread(
-            engine().update_weights_from_distributed,
+        return await weight_op(
+            engine().update_weights_from_distributed, update=True,
             names=body.names,
             dtypes=body.dtypes,
             shapes=body.shapes,
             group_name=body.group_name,
             load_format=body.load_format,
+            flush_cache=body.flush_cache,
             abort_all_requests=body.abort_all_requests,
             weight_version=body.weight_version,
-        ))
+        )
 
     @app.get("/weights_checksum")
-    async def weights_checksum() -> dict:
+    async def weights_checksum() -> Response:
         """megarl's extension (SGLang has no such endpoint): per-tensor digests of the loaded weights."""
-        return await asyncio.to_thread(engine().weights_checksum)
+        success, reply = await asyncio.to_thread(engine().weights_checksum)
+        return JSONResponse(reply) if success else _result(False, reply)
 
     @control_route("/destroy_weights_update_group", DestroyWeightsUpdateGroupBody)
     async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupBody) -> Response:
-        return _result(*await asyncio.to_thread(engine().destroy_weights_update_group, body.group_name))
+        return await weight_op(engine().destroy_weights_update_group, body.group_name)
 
     return app
+
+
+class _ModelUpdateGate:
+    """SGLang's model-update lock: generation holds it shared; an update made while generation is
+    not paused holds it exclusively, so it waits for running requests and holds new ones back."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writer and self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+def _die(message: str) -> JSONResponse:
+    """Answer a fatal error, then end the process, as SGLang's server does when its scheduler dies."""
+    logger.critical("fatal (SGLang's scheduler would die here; this server exits): %s", message)
+    asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
+    return JSONResponse({"success": False, "message": f"fatal, the server exits: {message}"}, status_code=500)
 
 
 class _Guard:
@@ -312,8 +414,14 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-async def _stream(engine: CpuEngine, job: GenerateJob) -> AsyncIterator[str]:
+async def _stream(engine: CpuEngine, job: GenerateJob, gate: _ModelUpdateGate) -> AsyncIterator[str]:
     """SSE: one `data: {...}` line per new token of any sequence (cumulative output), then `data: [DONE]`."""
+    async with gate.shared():
+        async for chunk in _stream_chunks(engine, job):
+            yield chunk
+
+
+async def _stream_chunks(engine: CpuEngine, job: GenerateJob) -> AsyncIterator[str]:
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
     for index, seq in enumerate(job.seqs):

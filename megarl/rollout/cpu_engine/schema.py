@@ -151,7 +151,8 @@ class EndWeightUpdateBody(_Strict):
 
 
 class UpdateWeightsFromTensorBody(_Strict):
-    serialized_named_tensors: Annotated[list[str], Field(min_length=1)]
+    # No minimum length: SGLang's TP rank r reads entry r, and a missing entry is the engine's (fatal) error.
+    serialized_named_tensors: list[str]
     load_format: Literal["direct", "flattened_bucket"] | None = None
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -217,7 +218,15 @@ class DestroyWeightsUpdateGroupBody(_Strict):
 
 class UpdateWeightVersionBody(_Strict):
     new_version: str
-    abort_all_requests: bool = False
+    abort_all_requests: bool = True  # SGLang's default: publishing a version aborts every request
+
+
+class ReleaseMemoryOccupationBody(_Strict):
+    tags: list[str] | None = None  # weights, kv_cache, cuda_graph; none: all
+
+
+class ResumeMemoryOccupationBody(_Strict):
+    tags: list[str] | None = None
 
 
 class PauseGenerationBody(_Strict):

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from megarl.rollout.cpu_engine.checksum import tensor_digest
+from megarl.rollout.weight_wire import tensor_digest
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,295 @@
+"""SGLang's weight-update wire formats: the one place both sides of a weight sync take them from.
+
+`megarl.weightsync` (the senders) and megarl's CPU engine (a receiver) import this
+module, so the sender side never depends on the test engine, and what the CPU
+engine accepts is exactly what real SGLang 0.5.23 accepts:
+
+- Tensor payloads of `/update_weights_from_tensor`: `serialized_named_tensors` holds
+  one entry per server TP rank (SGLang's TP rank r reads entry r), each a separate
+  `base64(ForkingPickler pickle)`: one pickle per receiver, because every pickled
+  shared storage carries one reference that exactly one unpickling drops. The payload
+  is a list of `(name, tensor)`, or with `load_format: "flattened_bucket"` a dict
+  `{"flattened_tensor": <1-D uint8 tensor>, "metadata": [...]}` whose metadata are
+  `types.SimpleNamespace(name, shape, dtype, start_idx, end_idx, numel)` with byte
+  offsets, the fields SGLang's `FlattenedTensorBucket` reads
+  (`srt/weight_sync/tensor_bucket.py`). A namespace, not a class of our own: SGLang
+  unpickles with an allow-list (`SafeUnpickler`, `srt/utils/common.py`) that
+  refuses any other module's globals, and its scheduler dies of the refusal.
+- Restricted unpickling: `SafeUnpickler` applies SGLang's rules (its module-prefix
+  allow-list and deny-list), so a payload the CPU engine loads is one SGLang loads.
+- CUDA tensors travel with the *UUID* of their GPU instead of its index (SGLang's
+  `monkey_patch_torch_reductions`, `srt/utils/patch_torch.py`): the trainer's
+  `cuda:0` under Ray and the server's `cuda:0` are different GPUs. Pickling swaps
+  index for UUID in a private dispatch table (no global patch); unpickling maps the
+  UUID back to a local index (`device_index_for_uuid`).
+- Per-tensor digests (`tensor_digest`) for `weight_sync.verify: checksum`.
+- Weight-update groups: `new_update_group` is SGLang's `init_custom_process_group`
+  rendezvous (TCP store at the trainer, `PrefixStore(group_name)`, a group outside
+  the default one) for both the trainer (rank 0) and each server TP rank.
+
+Imports only torch and the standard library, so it also runs where megarl's other
+dependencies are not installed (the GPU check machine).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+import pickle
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
+from torch.multiprocessing import reductions
+
+LOAD_FORMATS = (None, "direct", "flattened_bucket")
+METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+# ---- bucket metadata and payloads ------------------------------------------------------------
+
+
+def tensor_metadata(name: str, shape: Sequence[int], dtype: torch.dtype, start_idx: int, nbytes: int
+                    ) -> SimpleNamespace:
+    """One tensor's entry of a flattened bucket: bytes `[start_idx, start_idx + nbytes)` of the buffer."""
+    return SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=int(start_idx),
+                           end_idx=int(start_idx) + int(nbytes), numel=int(nbytes))
+
+
+def flattened_payload(flat: torch.Tensor, metadata: list[SimpleNamespace]) -> dict[str, Any]:
+    """The "flattened_bucket" payload of a filled uint8 buffer (which must cover every entry's bytes)."""
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def flatten_bucket(named_tensors: NamedTensors) -> dict[str, Any]:
+    """Pack tensors of any dtypes into one uint8 buffer plus metadata (a copy; senders with their own
+    bucket buffers build the payload with `tensor_metadata` + `flattened_payload` instead)."""
+    if not named_tensors:
+        raise ValueError("flatten_bucket: named_tensors is empty")
+    parts, metadata, offset = [], [], 0
+    for name, tensor in named_tensors:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        parts.append(flat)
+        metadata.append(tensor_metadata(name, tensor.shape, tensor.dtype, offset, flat.numel()))
+        offset += flat.numel()
+    return flattened_payload(torch.cat(parts), metadata)
+
+
+def unflatten_bucket(payload: Any) -> NamedTensors:
+    """The tensors of a "flattened_bucket" payload, as views into its buffer; ValueError naming the bad entry."""
+    if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
+        raise ValueError("flattened_bucket payload must be a dict with exactly 'flattened_tensor' and 'metadata'")
+    flat = payload["flattened_tensor"]
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.dtype != torch.uint8:
+        raise ValueError("flattened_bucket: 'flattened_tensor' must be a 1-D uint8 tensor")
+    named: NamedTensors = []
+    for index, meta in enumerate(payload["metadata"]):
+        missing = [field for field in METADATA_FIELDS if not hasattr(meta, field)]
+        if missing:
+            raise ValueError(f"flattened_bucket: metadata entry {index} lacks {missing}")
+        if not 0 <= meta.start_idx <= meta.end_idx <= flat.numel() or meta.numel != meta.end_idx - meta.start_idx:
+            raise ValueError(f"flattened_bucket: tensor {meta.name!r} byte range [{meta.start_idx}, {meta.end_idx}) "
+                             f"(numel {meta.numel}) does not fit the {flat.numel()}-byte buffer")
+        piece = flat[meta.start_idx : meta.end_idx]
+        if piece.numel() != math.prod(meta.shape) * meta.dtype.itemsize:
+            raise ValueError(f"flattened_bucket: tensor {meta.name!r} has {piece.numel()} bytes, shape "
+                             f"{tuple(meta.shape)} of {meta.dtype} needs {math.prod(meta.shape) * meta.dtype.itemsize}")
+        named.append((meta.name, piece.view(meta.dtype).view(tuple(meta.shape))))
+    return named
+
+
+# ---- serialisation: one entry per server TP rank -----------------------------------------------
+
+
+def device_uuid(index: int) -> str:
+    """The UUID of local CUDA device `index`, as SGLang writes it (`str(get_device_properties(i).uuid)`)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_index_for_uuid(uuid: str | int, visible: Sequence[str]) -> int:
+    """The local index of the device called `uuid` among the `visible` devices' UUIDs (an int passes through)."""
+    if isinstance(uuid, int):
+        return uuid
+    for index, candidate in enumerate(visible):
+        if candidate == uuid:
+            return index
+    raise ValueError(f"CUDA device {uuid} is not visible here (visible: {list(visible) or 'none'})")
+
+
+def _reduce_tensor_by_uuid(tensor: torch.Tensor):
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda:  # argument 6 of rebuild_cuda_tensor is the device index
+        args = (*args[:6], device_uuid(args[6]), *args[7:])
+    return rebuild, args
+
+
+def serialize_payload(payload: Any) -> str:
+    """One `serialized_named_tensors` entry: CPU storages go by /dev/shm name, CUDA ones by IPC handle + GPU UUID."""
+    # file_system sharing: the pickle carries a file name, which survives an HTTP body (a file
+    # descriptor would not) and which any process on this host can open.
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    pickler = ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_by_uuid  # this pickler's own table, not a global patch
+    pickler.dispatch_table[torch.nn.Parameter] = _reduce_tensor_by_uuid
+    pickler.dump(payload)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def entries_for_tp_ranks(payload: Any, tp_size: int) -> list[str]:
+    """`serialized_named_tensors` for a server with `tp_size` TP ranks that all load `payload`: one pickle each."""
+    return [serialize_payload(payload) for _ in range(tp_size)]
+
+
+def serialize_named_tensors(named_tensors: NamedTensors, *, load_format: str | None = None) -> str:
+    """One rank's entry for `named_tensors` in `load_format` (a copy into one buffer for "flattened_bucket")."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    return serialize_payload(flatten_bucket(named_tensors) if load_format == "flattened_bucket"
+                             else list(named_tensors))
+
+
+class UnsafePayloadError(RuntimeError):
+    """A payload naming a global outside SGLang's allow-list; SGLang's scheduler dies of this."""
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """SGLang 0.5.23's `SafeUnpickler` rules: a global loads only if its module is under an allowed
+    prefix and it is not on the deny-list. Everything else (a project's own classes) is refused."""
+
+    ALLOWED_MODULE_PREFIXES = (
+        "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
+        "torch.", "torch._tensor.", "torch.storage.", "torch.nn.parameter.", "torch.autograd.function.",
+        "torch.distributed.", "torch.distributed._shard.", "torch.distributed._composable.",
+        "torch._C._distributed_c10d.", "torch._C._distributed_fsdp.", "torch.distributed.optim.",
+        "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools.",
+        "peft.", "transformers.", "huggingface_hub.",
+        "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.",
+        "sglang.srt.utils.",
+    )
+    DENY = {("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
+            ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"), ("types", "CodeType"),
+            ("types", "FunctionType")}
+
+    def __init__(self, file, *, visible_devices: Callable[[], Sequence[str]]):
+        super().__init__(file)
+        self._visible_devices = visible_devices
+
+    def find_class(self, module: str, name: str):
+        allowed = any(f"{module}.".startswith(prefix) for prefix in self.ALLOWED_MODULE_PREFIXES)
+        if (module, name) in self.DENY or not allowed:
+            # SGLang's own wording, so a log line reads the same on both servers.
+            raise UnsafePayloadError(f"Blocked unsafe class loading ({module}.{name}), "
+                                     f"to prevent exploitation of CVE-2025-10164")
+        found = super().find_class(module, name)
+        if found is reductions.rebuild_cuda_tensor:
+            return self._rebuild_cuda_tensor
+        return found
+
+    def _rebuild_cuda_tensor(self, *args):
+        # SGLang's receiver patch: the sender wrote its GPU's UUID where torch expects an index.
+        index = device_index_for_uuid(args[6], self._visible_devices())
+        return reductions.rebuild_cuda_tensor(*args[:6], index, *args[7:])
+
+
+def visible_device_uuids() -> list[str]:
+    """UUIDs of the CUDA devices this process sees, by local index (none without CUDA)."""
+    return [device_uuid(index) for index in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def deserialize_payload(serialized: str | bytes, *,
+                        visible_devices: Callable[[], Sequence[str]] = visible_device_uuids) -> Any:
+    """Inverse of `serialize_payload` under SGLang's allow-list.
+
+    Raises UnsafePayloadError for a refused global and ValueError for anything that is
+    not a base64 pickle (SGLang's own failure on both is fatal to its scheduler).
+    """
+    try:
+        raw = base64.b64decode(serialized, validate=True)
+    except (binascii.Error, ValueError, TypeError) as error:
+        raise ValueError(f"serialized_named_tensors entry is not base64: {error}") from error
+    try:
+        return SafeUnpickler(io.BytesIO(raw), visible_devices=visible_devices).load()
+    except UnsafePayloadError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any other unpickling failure is a malformed payload
+        raise ValueError(f"serialized_named_tensors entry is not a ForkingPickler payload: {error}") from error
+
+
+def named_tensors_of(payload: Any, *, load_format: str | None) -> NamedTensors:
+    """The (name, tensor) pairs of a deserialised payload in `load_format`; ValueError when malformed."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "flattened_bucket":
+        return unflatten_bucket(payload)
+    if not isinstance(payload, (list, tuple)) or not all(
+            isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor) for item in payload):
+        raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
+    return [(name, tensor) for name, tensor in payload]
+
+
+def deserialize_named_tensors(serialized: str | bytes, *, load_format: str | None = None) -> NamedTensors:
+    """`deserialize_payload` then `named_tensors_of`."""
+    return named_tensors_of(deserialize_payload(serialized), load_format=load_format)
+
+
+# ---- digests -----------------------------------------------------------------------------------
+
+DIGEST_ALGORITHM = "blake2b-128 over float32-widened little-endian bytes and the shape"
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """The hex digest of one tensor (any device); equal digests mean bitwise-equal widened values.
+
+    Widened to float32 (exact for bf16/fp16), so a bf16 trainer and a float32 server agree
+    exactly when the server holds exactly the bf16 values; the shape is part of the digest.
+    """
+    values = tensor.detach()
+    if values.is_floating_point() and values.dtype != torch.float64:
+        values = values.to(torch.float32)
+    values = values.cpu().contiguous().reshape(-1)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(tuple(tensor.shape)).encode())
+    digest.update(memoryview(values.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+# ---- weight-update groups ----------------------------------------------------------------------
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """"bfloat16" or "torch.bfloat16" -> torch.bfloat16; ValueError for anything that is not a dtype."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtypes: {name!r} is not a torch dtype")
+    return dtype
+
+
+def wire_dtype(dtype: torch.dtype) -> str:
+    """How `/update_weights_from_distributed` names a dtype ("bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
+def new_update_group(*, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                     backend: str, timeout_s: float):
+    """Join weight-update group `group_name` as `rank` (0 hosts the store); blocks until every rank joined."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, timeout=timeout)
+    group = group[0] if isinstance(group, tuple) else group  # some torch versions return (group, store)
+    # Registered ranks let destroy_process_group forget the name, so a later group may reuse it.
+    _world.pg_group_ranks[group] = {index: index for index in range(world_size)}
+    return group

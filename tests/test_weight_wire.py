@@ -1,0 +1,155 @@
+"""The weight-update wire formats (`megarl.rollout.weight_wire`) against SGLang's rules, and the fan-out's logic.
+
+SGLang's receiving side is read from its source (0.5.23): `SafeUnpickler` in
+`srt/utils/common.py` (module-prefix allow-list, deny-list), `FlattenedTensorBucket`
+in `srt/weight_sync/tensor_bucket.py` (byte offsets, `flat[start:end].view(dtype).reshape(shape)`),
+`monkey_patch_torch_reductions` in `srt/utils/patch_torch.py` (argument 6 of
+`rebuild_cuda_tensor` is the device, sent as a UUID). No GPU here: the CUDA path is
+checked with a faked device list, and for real in the `gpu` test at the end.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.multiprocessing import reductions
+
+from megarl.rollout.weight_wire import (
+    METADATA_FIELDS,
+    UnsafePayloadError,
+    deserialize_named_tensors,
+    deserialize_payload,
+    device_index_for_uuid,
+    entries_for_tp_ranks,
+    flatten_bucket,
+    serialize_named_tensors,
+    serialize_payload,
+    unflatten_bucket,
+)
+from megarl.weightsync.fanout import holders
+from megarl.weightsync.session import WeightSyncError
+
+NAMED = [("model.norm.weight", torch.randn(8)), ("lm_head.weight", torch.randn(4, 8).to(torch.bfloat16)),
+         ("model.embed_tokens.weight", torch.arange(12, dtype=torch.float32).view(3, 4))]
+
+
+@dataclass(frozen=True)
+class FlattenedTensorMetadata:
+    """What megarl used to send: its own metadata class (SGLang's allow-list refuses it)."""
+
+    name: str
+    shape: tuple
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def test_flattened_bucket_metadata_is_a_namespace_with_exactly_sglangs_fields_in_bytes():
+    payload = flatten_bucket(NAMED)
+    assert set(payload) == {"flattened_tensor", "metadata"} and payload["flattened_tensor"].dtype == torch.uint8
+    offsets = 0
+    for (name, tensor), meta in zip(NAMED, payload["metadata"]):
+        assert type(meta) is SimpleNamespace and tuple(vars(meta)) == METADATA_FIELDS
+        nbytes = tensor.numel() * tensor.element_size()
+        assert (meta.name, meta.shape, meta.dtype) == (name, tensor.shape, tensor.dtype)
+        assert (meta.start_idx, meta.end_idx, meta.numel) == (offsets, offsets + nbytes, nbytes)
+        # SGLang's reconstruction, written out: flat[start:end].view(dtype).reshape(shape).
+        rebuilt = payload["flattened_tensor"][meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)
+        assert torch.equal(rebuilt, tensor)
+        offsets += nbytes
+    assert [(n, t) for n, t in unflatten_bucket(payload)][1][1].dtype == torch.bfloat16
+
+
+def test_round_trip_through_the_allow_list_in_both_load_formats():
+    for load_format in (None, "flattened_bucket"):
+        back = deserialize_named_tensors(serialize_named_tensors(NAMED, load_format=load_format),
+                                         load_format=load_format)
+        assert [name for name, _ in back] == [name for name, _ in NAMED]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(back, NAMED))
+
+
+def test_a_payload_with_a_projects_own_metadata_class_is_refused_as_sglang_refuses_it():
+    flat = flatten_bucket(NAMED)
+    own = [FlattenedTensorMetadata(m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel)
+           for m in flat["metadata"]]
+    entry = serialize_payload({"flattened_tensor": flat["flattened_tensor"], "metadata": own})
+    with pytest.raises(UnsafePayloadError, match=rf"Blocked unsafe class loading \({__name__}\.FlattenedTensorMetadata\)"):
+        deserialize_payload(entry)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+def test_deny_list_and_non_allowed_modules_are_refused_and_garbage_is_a_value_error():
+    with pytest.raises(UnsafePayloadError, match=r"\(posix\.system\)|\(os\.system\)"):
+        deserialize_payload(base64.b64encode(pickle.dumps(_Exploit())).decode())
+    with pytest.raises(UnsafePayloadError, match=r"subprocess\.check_output"):
+        deserialize_payload(base64.b64encode(pickle.dumps(subprocess.check_output)).decode())
+    with pytest.raises(ValueError, match="not base64"):
+        deserialize_payload("not base64 at all!")
+
+
+def test_each_tp_rank_gets_its_own_pickle_of_the_same_payload():
+    payload = flatten_bucket(NAMED)
+    entries = entries_for_tp_ranks(payload, 3)
+    assert len(entries) == 3
+    # Separate pickles: each holds its own reference on the shared buffer, which one receiver drops.
+    assert len({id(entry) for entry in entries}) == 3
+    for entry in entries:
+        assert all(torch.equal(a, b) for (_, a), (_, b) in
+                   zip(deserialize_named_tensors(entry, load_format="flattened_bucket"), NAMED))
+
+
+class _FakeCudaTensor:
+    """Pickles like a CUDA tensor from megarl's sender: `rebuild_cuda_tensor` with a GPU UUID as argument 6."""
+
+    def __init__(self, uuid: str):
+        self.uuid = uuid
+
+    def __reduce__(self):
+        return reductions.rebuild_cuda_tensor, (torch.Tensor, (2,), (1,), 0, None, torch.float32, self.uuid, b"h")
+
+
+def test_a_cuda_handle_resolves_its_gpu_uuid_to_the_receivers_local_index(monkeypatch):
+    entries = [base64.b64encode(pickle.dumps([_FakeCudaTensor(uuid)])).decode() for uuid in ("GPU-cccc", "GPU-dddd")]
+    calls = []  # torch's rebuild, replaced: no GPU here to map a handle on
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: calls.append(args) or "mapped")
+    visible = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc"]  # what the server process sees, by local index
+    assert deserialize_payload(entries[0], visible_devices=lambda: visible) == ["mapped"]
+    assert calls[0][6] == 2 and calls[0][:6] == (torch.Tensor, (2,), (1,), 0, None, torch.float32)
+    with pytest.raises(ValueError, match="CUDA device GPU-dddd is not visible here"):
+        deserialize_payload(entries[1], visible_devices=lambda: visible)
+    assert device_index_for_uuid(1, visible) == 1  # an index (a sender without the UUID patch) passes through
+
+
+def test_each_server_tp_rank_is_handed_the_copy_of_the_trainer_rank_on_its_own_gpu():
+    # Colocated, 2 servers x TP2 on 4 GPUs; Ray gave the trainer ranks the GPUs in another order.
+    trainer_devices = ["GPU-2", "GPU-0", "GPU-3", "GPU-1"]
+    assert holders([["GPU-0", "GPU-1"], ["GPU-2", "GPU-3"]], trainer_devices) == [[1, 3], [0, 2]]
+    with pytest.raises(WeightSyncError, match=r"no trainer rank shares a GPU with server 1 TP rank 1 \(device GPU-9\)"):
+        holders([["GPU-0", "GPU-1"], ["GPU-2", "GPU-9"]], trainer_devices)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_handle_maps_the_same_gpu_memory_in_another_process(tmp_path):
+    """A real CUDA IPC round trip: this process pickles a bucket on its GPU with the GPU's UUID, a child
+    process (which would see the GPUs in another order under Ray) maps it by UUID and reads the same bytes."""
+    tensor = torch.arange(1024, dtype=torch.float32, device="cuda").view(32, 32)
+    entry = serialize_payload(flatten_bucket([("w", tensor)]))
+    script = ("import sys, torch\nfrom megarl.rollout.weight_wire import deserialize_named_tensors\n"
+              "(name, t), = deserialize_named_tensors(sys.stdin.read(), load_format='flattened_bucket')\n"
+              "print(name, t.device.type, float(t.sum()))\n")
+    out = subprocess.run([sys.executable, "-c", script], input=entry, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()}, timeout=120)
+    assert out.stdout.split() == ["w", "cuda", str(float(tensor.sum()))]
