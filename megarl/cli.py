@@ -2,7 +2,9 @@
 
 Every verb imports its implementation lazily so `megarl schema` does not pay
 for torch or ray. Bad input (`megarl.errors.InputError`) prints one line per
-problem on stderr and exits with status 2, never a traceback.
+problem on stderr and exits with status 2, never a traceback. `megarl train`
+stopped by SIGTERM/SIGINT after writing its checkpoint exits with status 75
+(`megarl.controller.preemption.EXIT_PREEMPTED`).
 """
 
 from __future__ import annotations
@@ -46,11 +48,25 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from megarl.config import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    overrides = args.overrides + (["trainer.checkpoint.resume=never"] if args.no_resume else [])
+    recipe = load_recipe(args.recipe, overrides)
+    from megarl.controller.preemption import EXIT_PREEMPTED, Preempted
     from megarl.controller.run import train
 
-    run_dir = train(recipe, ray_address=args.ray_address)
+    try:
+        run_dir = train(recipe, ray_address=args.ray_address)
+    except Preempted as stopped:
+        print(f"megarl: {stopped}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     print(f"run finished: {run_dir}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from megarl.controller.plots import plot_runs
+
+    out = plot_runs([args.run_dir, *args.compare], out=args.out)
+    print(f"plot written: {out}")
     return 0
 
 
@@ -97,7 +113,17 @@ def build_parser() -> argparse.ArgumentParser:
     train = verbs.add_parser("train", help="run a recipe: RL post-training end to end")
     _add_recipe_args(train)
     train.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one in-process")
+    train.add_argument("--no-resume", action="store_true",
+                       help="start over even if the run dir holds a checkpoint (the old run dir is moved aside)")
     train.set_defaults(run=_cmd_train)
+
+    plot = verbs.add_parser("plot", help="draw a run's metrics (score, KL, entropy, lengths, validation, timings) "
+                                         "as one PNG")
+    plot.add_argument("run_dir", type=Path, help="a run directory (runs/<name>), finished or still running")
+    plot.add_argument("--out", type=Path, default=None, help="PNG to write (default: <run_dir>/plots/metrics.png)")
+    plot.add_argument("--compare", type=Path, nargs="+", default=[], metavar="RUN_DIR",
+                      help="other run directories drawn in the same panels")
+    plot.set_defaults(run=_cmd_plot)
 
     export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl checkpoint")
     export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")

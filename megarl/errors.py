@@ -18,7 +18,9 @@ class InputError(Exception):
     """Bad user input: each entry of `problems` is one line naming the key/file/row and the bad value."""
 
     def __init__(self, problems: str | list[str]):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        lines = [problems] if isinstance(problems, str) else list(problems)
+        # A user's key or value may hold a line break; escaped, every problem stays one line.
+        self.problems = [line.replace("\r", "\\r").replace("\n", "\\n") for line in lines]
         super().__init__("\n".join(self.problems))
 
 

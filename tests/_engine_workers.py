@@ -245,11 +245,20 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
     def eval_log_probs(engine):
         return engine.compute_log_prob(lp_rows, temperature=1.0, with_entropy=False, batching=batching(4))[0]
 
+    def draws() -> list[torch.Tensor]:
+        """The next numbers of this rank's torch generator and of megatron's model-parallel RNG stream."""
+        from megatron.core import tensor_parallel
+
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            tracked = torch.rand(3)
+        return [torch.rand(3), tracked]
+
     out: dict = {}
     set_model_parallel(tp=2, pp=2)
     engine = policy_engine(checkpoint, optim=optimizer(**train))
     out["metrics_1"] = step(engine)
     engine.save_checkpoint(ckpt_dir)
+    out["rng_after_save"] = draws()
     out["saved_weights"], out["saved_log_probs"] = engine.hf_state_dict(), eval_log_probs(engine)
     out["saved_logits"] = full_logits(engine, inputs)
     out["saved_moments"] = {key: gathered_adam_state(engine, key) for key in ("exp_avg", "exp_avg_sq")}
@@ -261,7 +270,9 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
     set_model_parallel(tp=1, pp=1)
     for label, load_optimizer in (("resumed", True), ("weights_only", False)):
         resumed = policy_engine(None, optim=optimizer(**train), seed=99, hf_config=hf_config)
+        draws()  # moves the streams off the freshly seeded state the saving engine also started from
         resumed.load_checkpoint(ckpt_dir, load_optimizer=load_optimizer)
+        out[f"{label}_rng"] = draws()
         out[f"{label}_loaded_weights"] = resumed.hf_state_dict()
         if load_optimizer:
             out["loaded_moments"] = {key: gathered_adam_state(resumed, key) for key in ("exp_avg", "exp_avg_sq")}
@@ -269,6 +280,12 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
         out[f"{label}_metrics"] = step(resumed)
         out[f"{label}_weights"] = resumed.hf_state_dict()
         out[f"{label}_grads"] = gathered_grads(resumed)
+
+    set_model_parallel(tp=2, pp=2)  # back at the saved layout, the RNG streams come back too
+    again = policy_engine(None, optim=optimizer(**train), seed=7, hf_config=hf_config)
+    draws()  # as above
+    again.load_checkpoint(ckpt_dir, load_optimizer=True)
+    out["same_layout_rng"] = draws()
     return out
 
 

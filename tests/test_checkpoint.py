@@ -32,6 +32,19 @@ def test_metadata_records_config_tokenizer_and_layout(job):
     assert (job["ckpt_dir"] / "metadata.json").is_file()  # megatron's own
 
 
+def test_rank_rng_states_are_restored_at_the_saved_layout_only(job):
+    for out in job["out"]:
+        # The draws right after the save come again after a load at TP2xPP2 ...
+        for drawn, expected in zip(out["same_layout_rng"], out["rng_after_save"]):
+            assert torch.equal(drawn, expected)
+        # ... but not at DP4, where a rank has no counterpart in the saved layout.
+        assert not torch.equal(out["resumed_rng"][0], out["rng_after_save"][0])
+    info = json.loads((job["ckpt_dir"] / "megarl_checkpoint.json").read_text())
+    assert info["has_rng_state"] is True
+    # Megatron's model-parallel stream differs between TP ranks: each rank saved its own.
+    assert not torch.equal(job["out"][0]["rng_after_save"][1], job["out"][1]["rng_after_save"][1])
+
+
 def test_load_at_another_layout_gives_the_saved_model(job):
     for out in job["out"]:
         assert torch.allclose(out["resumed_log_probs"], out["saved_log_probs"], atol=1e-5, rtol=0)

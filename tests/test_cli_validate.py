@@ -34,6 +34,7 @@ def test_validate_quickstart_prints_resolved_recipe(capsys: pytest.CaptureFixtur
         "colocate": True,
         "pools": {},
         "roles": {},
+        "offload": True,
     }
     assert printed["algorithm"]["adv_estimator"] == "grpo" and printed["rollout"]["n"] >= 2
     assert printed["rollout"]["backend"] == "cpu" and printed["critic"] is None

@@ -17,7 +17,6 @@ import pytest
 
 from megarl.config import load_recipe
 from megarl.controller.run import train
-from megarl.errors import InputError
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 
@@ -65,11 +64,10 @@ def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path):
     run_dir = tmp_path / "a"
     assert "name: a\n" in (run_dir / "recipe.yaml").read_text()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    # Saved every step, only the newest kept; a second run over it refuses to pretend it resumed.
+    # Saved every step, only the newest kept; the same command again resumes a finished run: nothing to do.
     assert [path.name for path in (run_dir / "checkpoints").iterdir()] == ["step_2"]
     assert (run_dir / "checkpoints" / "step_2" / "actor" / "megarl_checkpoint.json").exists()
-    with pytest.raises(InputError, match="trainer.checkpoint.resume: .* already holds step_2"):
-        _run(tmp_path, "a", *overrides)
+    assert _run(tmp_path, "a", *overrides) == first
 
     # Same seed, same run, now without the sleep/wake cycle: every sampled token, score and update is
     # identical. Only timings differ, and the engine's log-probs in their last bits (its batch

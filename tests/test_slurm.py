@@ -155,8 +155,6 @@ def test_preempted_job_forwards_sigterm_to_the_driver_and_tears_down(slurm, pree
     _assert_torn_down(slurm, preempted)
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="needs issue 11's SIGTERM checkpoint: today the controller does not catch SIGTERM")
 def test_preempted_job_checkpointed_and_exited_cleanly(preempted):
     checkpoints = sorted((preempted.run_dir / "checkpoints").glob("step_*"))
     assert checkpoints, f"no checkpoint after SIGTERM:\n{_tail(preempted.log)}"

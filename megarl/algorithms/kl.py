@@ -86,6 +86,12 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """Nothing to adapt."""
 
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
 
 class AdaptiveKLController:
     """Proportional controller steering the measured KL towards `target_kl` (Ziegler et al. 2019).
@@ -106,6 +112,13 @@ class AdaptiveKLController:
         """Adapt `value` after `n_steps` samples whose mean KL was `current_kl`."""
         proportional_error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        """The adapted coefficient: all a resumed run needs to continue the same trajectory."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

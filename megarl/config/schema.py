@@ -187,16 +187,47 @@ class WeightSyncConfig(Section):
     timeout_s: PositiveFloat = Field(600.0, description="one sync may take at most this long")
 
 
+class WandbConfig(Section):
+    enabled: bool = Field(False, description="also log metrics to Weights & Biases (needs the `wandb` extra)")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: files under <run dir>/wandb only, nothing leaves the machine; online: upload"
+    )
+    project: str = Field("megarl", description="W&B project")
+    entity: str | None = Field(None, description="W&B entity (team or user); null = the account's default")
+
+
 class LoggingConfig(Section):
     jsonl: bool = Field(True, description="metrics.jsonl in the run dir")
     tensorboard: bool = Field(True, description="TensorBoard event files in the run dir")
     console: bool = Field(True, description="one summary line per step on stdout")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="optional Weights & Biases sink")
+
+
+class SamplesConfig(Section):
+    val_rows: NonNegativeInt = Field(
+        32, description="(prompt, response, score, data_source) rows written per validation to "
+        "samples/val_step_<N>.jsonl (the first rows of the validation set, the same every time); 0 = none"
+    )
+    train_rows: NonNegativeInt = Field(
+        0, description="training rollouts written per step to samples/train_step_<N>.jsonl; 0 = none"
+    )
 
 
 class CheckpointConfig(Section):
     save_every: NonNegativeInt = Field(0, description="save every this many steps; 0 = only at the end")
-    keep_last: NonNegativeInt = Field(2, description="checkpoints kept on disk; 0 = keep all")
-    resume: Literal["auto", "never"] = Field("auto", description="auto: continue from the latest checkpoint")
+    keep_last: NonNegativeInt = Field(2, description="complete checkpoints kept on disk; 0 = keep all")
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="auto: continue from the newest complete checkpoint of the run dir; never: start over "
+        "(an existing run dir is moved aside, never deleted)"
+    )
+    weights_only: bool = Field(
+        False, description="save weights without optimizer and LR-schedule state (smaller; a resume from such a "
+        "checkpoint starts the optimizers afresh, so it is not exact)"
+    )
+    preempt_timeout_s: PositiveFloat = Field(
+        300.0, description="after SIGTERM/SIGINT the run checkpoints and exits within this many seconds; past "
+        "that it stops without a new checkpoint"
+    )
 
 
 class TrainerConfig(Section):
@@ -206,7 +237,8 @@ class TrainerConfig(Section):
     output_dir: str = Field("runs", description="run dir is <output_dir>/<name>")
     balance_batch: bool = Field(True, description="reorder samples so DP ranks get equal token counts")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metric sinks")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpointing")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints, resume, preemption")
+    samples: SamplesConfig = Field(default_factory=SamplesConfig, description="decoded rollouts written to samples/")
 
 
 class ClusterConfig(Section):

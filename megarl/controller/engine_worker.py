@@ -23,9 +23,24 @@ from megarl.protocol import Batch
 ENGINE_KINDS = ("policy", "value")
 
 
+def _redirect_output(log_path: str) -> None:
+    """Send this process's stdout and stderr (Python's and native code's: megatron, gloo) to `log_path`."""
+    import sys
+
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    handle = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(handle, 1)
+    os.dup2(handle, 2)
+    os.close(handle)
+
+
 class MegatronWorker:
-    def __init__(self, *, rank: int, world_size: int):
+    def __init__(self, *, rank: int, world_size: int, log_path: str | None = None):
         self.rank, self.world_size = rank, world_size
+        if log_path is not None:
+            _redirect_output(log_path)
         self.engine = None  # a TrainEngine once init_engine ran
         self._weight_sync = None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -91,9 +106,9 @@ class MegatronWorker:
     def load_hf_state_dict(self, named: dict[str, torch.Tensor]) -> None:
         self.engine.load_hf_state_dict(named)
 
-    def save_checkpoint(self, ckpt_dir: str) -> None:
+    def save_checkpoint(self, ckpt_dir: str, *, weights_only: bool = False) -> None:
         """Distributed checkpoint of this role (collective over its ranks)."""
-        self.engine.save_checkpoint(ckpt_dir)
+        self.engine.save_checkpoint(ckpt_dir, weights_only=weights_only)
 
     def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool) -> None:
         self.engine.load_checkpoint(ckpt_dir, load_optimizer=load_optimizer)

@@ -60,7 +60,7 @@ def check_inputs(recipe: Recipe) -> list[str]:
         _check_data(recipe)
     except InputError as error:
         problems += error.problems
-    return problems
+    return InputError(problems).problems  # one line each, whatever the paths hold
 
 
 def _check_data(recipe: Recipe) -> None:

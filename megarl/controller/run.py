@@ -1,9 +1,10 @@
 """`megarl train`: turn a validated recipe into a running job and drive it to the last step.
 
-Set-up order: run directory and resolved recipe, tokenizer and data, initial HF
-weights, Ray and the resource pools, the Megatron worker groups, the optional
-SFT warm-up, the rollout fleet with the first weight sync, then the step loop
-with validation. Everything started here is stopped here, by handle.
+Set-up order: run directory (resume or start over) and resolved recipe, tokenizer and
+data, initial HF weights, metric sinks, Ray and the resource pools, the Megatron worker
+groups, the optional SFT warm-up (fresh runs) or the checkpoint (resumed runs), the
+rollout fleet with the first weight sync, then the step loop. Everything started here
+is stopped here, by handle, also when a signal stops the run (`preemption`).
 """
 
 from __future__ import annotations
@@ -25,28 +26,31 @@ from megarl.config.settings import (
     value_update_settings,
     weight_sync_settings,
 )
+from megarl.controller import run_state
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
-from megarl.controller.checkpointing import refuse_silent_restart, save_step
+from megarl.controller.checkpointing import StepCheckpoint, load_step
 from megarl.controller.engine_worker import MegatronWorker
 from megarl.controller.fleet import sleeps_between_phases, start_rollout_fleet
 from megarl.controller.memory import MemoryCycle
 from megarl.controller.placement import plan_pools, total_devices
+from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
+from megarl.controller.resume import resume_or_start
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
-from megarl.controller.tracking import Tracker
+from megarl.controller.step_loop import StepLoop
+from megarl.controller.tracking import Tracker, controller_log
 from megarl.controller.trainer import StepSettings, Trainer
-from megarl.controller.validation import validate
+from megarl.controller.wandb_sink import WandbSink
 from megarl.controller.worker_group import WorkerGroup
 from megarl.errors import InputError
-from megarl.protocol import Batch
 
 
 def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,
-                  optimizer) -> WorkerGroup:
+                  optimizer, log_dir: Path) -> WorkerGroup:
     """`pool.world_size` ranks hosting one engine of `kind` ("policy" or "value")."""
-    group = WorkerGroup(MegatronWorker, pool, name=name)
+    group = WorkerGroup(MegatronWorker, pool, name=name, log_dir=log_dir)
     master_addr, master_port = group.run_rank(0, "master_endpoint")
     group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port,
               parallel=parallel.model_dump(), hf_config=hf_config, weights=str(weights), seed=recipe.seed,
@@ -55,20 +59,22 @@ def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_co
 
 
 def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
-                 cleanup: ExitStack) -> Roles:
-    """Worker groups, the optional SFT warm-up, the fleet and the first weight sync; registers their teardown."""
+                 cleanup: ExitStack, resume_from: StepCheckpoint | None, preemption: Preemption) -> Roles:
+    """Worker groups, the SFT warm-up (fresh runs) or the checkpoint (resumed runs), the fleet and the first
+    weight sync; registers their teardown."""
     for pool in set(pools.values()):
         cleanup.callback(pool.release)
-    hf_config = recipe.model.hf_config()
+    hf_config, log_dir = recipe.model.hf_config(), run_dir / "logs"
     actor_group = _engine_group(recipe, pools["actor"], name="actor", kind="policy", parallel=recipe.actor.parallel,
-                                hf_config=hf_config, weights=weights, optimizer=optimizer_settings(recipe, "actor"))
+                                hf_config=hf_config, weights=weights, optimizer=optimizer_settings(recipe, "actor"),
+                                log_dir=log_dir)
     cleanup.callback(actor_group.kill)
     actor = PolicyRole(actor_group, batching=logprob_batching(recipe), update=policy_update_settings(recipe))
     reference = None
     if "reference" in pools:
         ref_group = _engine_group(recipe, pools["reference"], name="reference", kind="policy",
                                   parallel=recipe.reference.parallel, hf_config=hf_config, weights=weights,
-                                  optimizer=None)
+                                  optimizer=None, log_dir=log_dir)
         cleanup.callback(ref_group.kill)
         reference = PolicyRole(ref_group, batching=logprob_batching(recipe))
     critic = None
@@ -78,11 +84,14 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
             recipe, pools["critic"], name="critic", kind="value", parallel=recipe.critic.parallel,
             hf_config=read_hf_config(critic_path, key="critic.model_path") if critic_path else hf_config,
             weights=Path(critic_path) if critic_path else weights, optimizer=optimizer_settings(recipe, "critic"),
+            log_dir=log_dir,
         )
         cleanup.callback(critic_group.kill)
         critic = CriticRole(critic_group, update=value_update_settings(recipe))
-    if recipe.sft_warmup.steps > 0:
-        run_sft_warmup(actor, data, recipe, tracker)
+    if resume_from is None and recipe.sft_warmup.steps > 0:
+        run_sft_warmup(actor, data, recipe, tracker, stop_requested=lambda: preemption.requested)
+        if preemption.requested:
+            raise Preempted(None, None)
         # The reference is the policy RL starts from: the warmed-up weights, not the initial ones;
         # a critic without its own checkpoint starts from the same backbone.
         followers = [reference.group] if reference is not None else []
@@ -94,7 +103,7 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                 group.run("load_hf_state_dict", named)
     api_key = secrets.token_hex(16)
     fleet = start_rollout_fleet(recipe, pool=pools["rollout"], weights=weights, tokenizer=data.tokenizer,
-                                api_key=api_key, log_dir=run_dir / "logs")
+                                api_key=api_key, log_dir=log_dir)
     cleanup.callback(fleet.shutdown)
     # The fleet re-pushes the actor's current weights to a server it had to restart.
     fleet.set_weight_source(partial(actor.push_weights, api_key=api_key,
@@ -105,16 +114,34 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
     memory = MemoryCycle(fleet, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
     roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, memory=memory, reference=reference,
                   critic=critic, kl_ctrl=data.kl_ctrl)
-    roles.sync_weights(version=0)
+    version = 0
+    if resume_from is not None:
+        load_step(roles, resume_from)
+        state = resume_from.controller_state()
+        run_state.restore(state, loader=data.train_batches, kl_ctrl=data.kl_ctrl)
+        version = state["weight_version"]
+    roles.sync_weights(version=version)
     memory.sleep_all()  # the fleet generates first
     return roles
 
 
-def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
-    """Run `recipe` to its last step; returns the run directory.
+def _tracker(recipe: Recipe, run_dir: Path, resume_from: StepCheckpoint | None) -> Tracker:
+    logging = recipe.trainer.logging
+    wandb = logging.wandb
+    sink = WandbSink(run_dir, name=recipe.name, project=wandb.project, entity=wandb.entity, mode=wandb.mode,
+                     config=recipe.model_dump(mode="json")) if wandb.enabled else None
+    return Tracker(run_dir, total_steps=recipe.trainer.total_steps, jsonl=logging.jsonl,
+                   tensorboard=logging.tensorboard, console=logging.console, wandb=sink,
+                   resume_step=resume_from.step if resume_from is not None else None)
 
-    Joins `ray_address`, or the Ray already initialised in this process, or
-    starts a local one (and then stops it at the end).
+
+def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
+    """Run `recipe` to its last step, resuming its run directory's newest checkpoint when it has one
+    (`trainer.checkpoint.resume: auto`); returns the run directory.
+
+    Joins `ray_address`, or the Ray already initialised in this process, or starts a
+    local one (and then stops it at the end). On SIGTERM/SIGINT it checkpoints, stops
+    everything it started and raises `Preempted`.
     """
     import ray
 
@@ -122,14 +149,21 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
     if problems:
         raise InputError(problems)
     run_dir = prepare_run_dir(recipe)
-    checkpoint = recipe.trainer.checkpoint
-    refuse_silent_restart(run_dir, resume=checkpoint.resume)
+    resume_from = resume_or_start(run_dir, recipe, say=lambda line: print(f"megarl: {line}", flush=True))
+    start_step = resume_from.step if resume_from is not None else 0
+    if start_step >= recipe.trainer.total_steps:
+        print(f"megarl: {run_dir} already completed step {start_step} (trainer.total_steps="
+              f"{recipe.trainer.total_steps}); raise total_steps to continue it", flush=True)
+        return run_dir
     data = prepare_data(recipe, run_dir)
     weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
     # Written once every check passed, so a refused run leaves an earlier run's recipe alone.
     atomic.write_text(run_dir / "recipe.yaml", dump_recipe(recipe))
+    checkpoint = recipe.trainer.checkpoint
 
-    with ExitStack() as cleanup:
+    with controller_log(run_dir), ExitStack() as cleanup:
+        tracker = _tracker(recipe, run_dir, resume_from)
+        cleanup.callback(tracker.close)
         if ray_address:
             connect_ray(ray_address)
         elif not ray.is_initialized():
@@ -137,30 +171,17 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
             cleanup.callback(shutil.rmtree, ray_dir, True)
             start_local_ray(temp_dir=ray_dir, num_cpus=8)
             cleanup.callback(ray.shutdown)
-        logging = recipe.trainer.logging
-        tracker = Tracker(run_dir, total_steps=recipe.trainer.total_steps, jsonl=logging.jsonl,
-                          tensorboard=logging.tensorboard, console=logging.console)
-        cleanup.callback(tracker.close)
+        # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
+        preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
         pools = plan_pools(recipe)
         roles = _start_roles(recipe, pools=pools, weights=weights, data=data, run_dir=run_dir, tracker=tracker,
-                             cleanup=cleanup)
-        trainer = Trainer(roles, _step_settings(recipe, total_devices(pools)))
-
-        def run_validation() -> dict[str, float]:
-            return validate(data.val_batches(), generate=roles.rollout.generate, reward_fn=data.reward_fn,
-                            temperature=recipe.rollout.val_temperature)
-
-        val_every, total = recipe.trainer.val_every, recipe.trainer.total_steps
-        if val_every and recipe.trainer.val_before_train:
-            tracker.log(0, run_validation())
-        for step in range(total):
-            metrics = trainer.step(step, Batch.from_dict(next(data.train_batches)))
-            if val_every and ((step + 1) % val_every == 0 or step + 1 == total):
-                metrics.update(run_validation())
-            metrics["train/epoch"] = data.train_batches.epoch
-            tracker.log(step + 1, metrics)
-            if checkpoint.save_every and (step + 1) % checkpoint.save_every == 0:
-                save_step(roles, run_dir, step=step + 1, keep_last=checkpoint.keep_last)
+                             cleanup=cleanup, resume_from=resume_from, preemption=preemption)
+        preemption.on_request(roles.rollout.stop_generating)
+        trainer = Trainer(roles, _step_settings(recipe, total_devices(pools)),
+                          stop_requested=lambda: preemption.requested)
+        loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
+                        preemption=preemption, newest=resume_from)
+        loop.run(start_step)
     return run_dir
 
 

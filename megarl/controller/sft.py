@@ -35,8 +35,9 @@ def sft_batch(prompts: Batch, tokenizer, *, max_response_length: int) -> Batch:
     return full.select(["input_ids", "attention_mask", "position_ids", "loss_mask"])
 
 
-def run_sft_warmup(actor: PolicyRole, data, recipe, tracker) -> int:
-    """Warm up until `steps` or until the recent mean loss is below `stop_loss`; returns the steps run."""
+def run_sft_warmup(actor: PolicyRole, data, recipe, tracker, *, stop_requested=lambda: False) -> int:
+    """Warm up until `steps`, until the recent mean loss is below `stop_loss` or until `stop_requested()`;
+    returns the steps run."""
     from megarl.data.dataset import PromptLoader
 
     warmup = recipe.sft_warmup
@@ -44,7 +45,7 @@ def run_sft_warmup(actor: PolicyRole, data, recipe, tracker) -> int:
     loader = PromptLoader(data.train_dataset, warmup.batch_size, shuffle=True, seed=recipe.seed + 1)
     recent: deque[float] = deque(maxlen=10)
     step = 0
-    while step < warmup.steps:
+    while step < warmup.steps and not stop_requested():
         batch = sft_batch(Batch.from_dict(next(loader)), data.tokenizer,
                           max_response_length=recipe.data.max_response_length)
         metrics = actor.sft(batch, batching=batching, lr=warmup.lr)

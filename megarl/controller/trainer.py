@@ -3,11 +3,18 @@
 `Trainer.step()` reads top to bottom like that table, one call per phase, each
 timed under `timing_s/<phase>`. The roles (actor, reference, critic, rollout,
 reward) are built by `megarl.controller.run` and handed in ready to use.
+
+Stopping (SIGTERM): until the first update phase nothing but the controller's own
+state has changed, so a step asked to stop before then is abandoned at the next phase
+boundary (or as its generation is cancelled) with `StepAbandoned`; once an update has
+begun the step runs to its end, so a checkpoint is always taken between steps.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,6 +23,16 @@ from megarl.algorithms.metrics import rollout_logprob_diff
 from megarl.controller import phases
 from megarl.controller.roles import Roles
 from megarl.protocol import Batch
+from megarl.rollout import GenerationInterrupted
+
+logger = logging.getLogger(__name__)
+
+# Phases after which the engines' weights or optimizers have not changed yet.
+ABANDONABLE = frozenset({"step", "gen", "reward", "old_log_prob", "ref", "values", "adv"})
+
+
+class StepAbandoned(Exception):
+    """A stop was requested before the step's first update: its results are discarded."""
 
 
 @dataclass
@@ -38,16 +55,27 @@ class StepSettings:
 
 
 class Trainer:
-    def __init__(self, roles: Roles, settings: StepSettings):
+    def __init__(self, roles: Roles, settings: StepSettings, *, stop_requested: Callable[[], bool] = lambda: False):
         self.roles = roles
         self.settings = settings
+        self.stop_requested = stop_requested
         self.timings: dict[str, float] = {}
+        self.last_batch: Batch | None = None  # the latest step's full batch (for sample logging)
+        self._step = 0
 
     @contextmanager
     def _timed(self, phase: str):
-        """Time a phase; a phase timed twice in one step (offload) adds up."""
+        """Time a phase; a phase timed twice in one step (offload) adds up. A preemption request abandons
+        the step at the next abandonable phase."""
+        if phase in ABANDONABLE and self.stop_requested():
+            raise StepAbandoned(phase)
+        if phase != "step":
+            logger.info("step %d: %s", self._step + 1, phase)  # where a stuck run is stuck
         start = time.perf_counter()
-        yield
+        try:
+            yield
+        except GenerationInterrupted as interrupted:
+            raise StepAbandoned(phase) from interrupted
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
 
     def _cycle(self, phase: str, move) -> None:
@@ -59,7 +87,7 @@ class Trainer:
     def step(self, step: int, prompts: Batch) -> dict[str, float]:
         """Run one step on a batch of prompts; returns the step's metrics."""
         r, s, metrics = self.roles, self.settings, {}
-        self.timings = {}
+        self.timings, self._step = {}, step
         with self._timed("step"):
             batch = phases.add_uids(prompts)
             gen_batch = phases.split_generation_batch(batch).repeat(s.rollout_n, interleave=True)
@@ -105,6 +133,7 @@ class Trainer:
         metrics.update(r.peak_memory())
         metrics.update(entropy_metrics)
         metrics.update(self._step_metrics(batch))
+        self.last_batch = batch
         return metrics
 
     def _step_metrics(self, batch: Batch) -> dict[str, float]:

@@ -8,6 +8,7 @@ results of the ranks that hold the output (TP rank 0 on the last PP stage).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 from megarl.controller.placement import ResourcePool
@@ -15,9 +16,11 @@ from megarl.protocol import Batch
 
 
 class WorkerGroup:
-    """`pool.world_size` instances of `worker_cls`, rank r on slot r of the pool."""
+    """`pool.world_size` instances of `worker_cls`, rank r on slot r of the pool; with `log_dir`, rank r is
+    created with `log_path=<log_dir>/<name>-<r>.log` (where it writes its output)."""
 
-    def __init__(self, worker_cls: type, pool: ResourcePool, *, name: str, env: dict[str, str] | None = None):
+    def __init__(self, worker_cls: type, pool: ResourcePool, *, name: str, env: dict[str, str] | None = None,
+                 log_dir: Path | None = None):
         import ray
 
         pool.reserve()
@@ -31,7 +34,8 @@ class WorkerGroup:
                 "name": f"megarl-{name}-{rank}",
                 "runtime_env": {"env_vars": dict(env or {})},
             }
-            self.workers.append(remote_cls.options(**options).remote(rank=rank, world_size=self.world_size))
+            log = {"log_path": str(Path(log_dir) / f"{name}-{rank}.log")} if log_dir is not None else {}
+            self.workers.append(remote_cls.options(**options).remote(rank=rank, world_size=self.world_size, **log))
         self._layout: list[dict] | None = None
 
     def run(self, method: str, *args, **kwargs) -> list:

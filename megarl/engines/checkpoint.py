@@ -8,6 +8,12 @@ embedding and output layer may change padding (megatron marks them shape-mismatc
 tolerant). The JSON file is written last, after every rank finished: a dir without it
 is an incomplete save.
 
+Each rank's RNG states (torch CPU, CUDA, megatron's tensor-parallel tracker) are saved
+too, one object per rank; like megatron, they are restored only at the layout they were
+saved at (at another layout a rank has no counterpart, and keeps its seeded state).
+The LR schedule is restored as the loading engine's settings at the saved step count,
+so a resumed run may change its total steps (and with them the decay horizon).
+
 Save and load are collectives over all ranks of the engine. Trap (PLATFORM.md): the
 save starts a spawn-based multiprocessing Manager, so a plain script that saves must
 guard its entry point with `if __name__ == "__main__":`; Ray actors and
@@ -22,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megarl.engines.distributed import parallel_layout
 from megarl.engines.gpt import GPTModelChunks
@@ -45,6 +52,7 @@ class CheckpointInfo:
     saved_layout: dict
     # False when the optimizer had not stepped yet (Adam keeps no state then).
     has_optimizer_state: bool = True
+    has_rng_state: bool = False  # checkpoints written before RNG states were saved have none
 
 
 def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo:
@@ -63,6 +71,7 @@ def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo:
         has_optimizer=data["has_optimizer"],
         saved_layout=data["saved_layout"],
         has_optimizer_state=data.get("has_optimizer_state", data["has_optimizer"]),
+        has_rng_state=data.get("has_rng_state", False),
     )
 
 
@@ -76,6 +85,33 @@ def _barrier() -> None:
     torch.distributed.barrier()
 
 
+def _layout_record(model: GPTModelChunks) -> dict[str, int]:
+    layout = parallel_layout()
+    return {"tp": layout["tp_size"], "pp": layout["pp_size"], "vpp": len(model.chunks), "dp": layout["dp_size"],
+            "world_size": layout["world_size"]}
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_rng_state() -> ShardedObject:
+    """This rank's RNG states as one object of a per-rank array (each rank writes its own)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+
+
 def save_checkpoint(
     model: GPTModelChunks,
     train: TrainState | None,
@@ -84,16 +120,20 @@ def save_checkpoint(
     hf_config: dict,
     tokenizer_path: str | None,
     engine_state: dict,
+    weights_only: bool = False,
 ) -> Path:
-    """Save model (+ optimizer and LR schedule when `train`) and `engine_state` (plain,
-    identical on all ranks); collective. An existing checkpoint in the dir is replaced."""
+    """Save model (+ optimizer and LR schedule when `train` and not `weights_only`), `engine_state`
+    (plain, identical on all ranks) and each rank's RNG states; collective. An existing checkpoint
+    in the dir is replaced."""
+    if weights_only:
+        train = None
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
     is_writer = torch.distributed.get_rank() == 0
     if is_writer:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         (ckpt_dir / METADATA_FILE).unlink(missing_ok=True)  # incomplete until the new one is written
     _barrier()
-    state: dict = {**_model_state(model), "engine": engine_state}
+    state: dict = {**_model_state(model), "engine": engine_state, "rng": _sharded_rng_state()}
     # Before the first step there are no moments to save, and megatron's sharded optimizer
     # state would ask the loader for moments that do not exist.
     with_optimizer_state = train is not None and train.has_state()
@@ -105,7 +145,6 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(ckpt_dir))
     _barrier()
     if is_writer:
-        layout = parallel_layout()
         info = {
             "format_version": FORMAT_VERSION,
             "hf_config": hf_config,
@@ -113,13 +152,8 @@ def save_checkpoint(
             "params_dtype": str(model.config.params_dtype).removeprefix("torch."),
             "has_optimizer": train is not None,
             "has_optimizer_state": with_optimizer_state,
-            "saved_layout": {
-                "tp": layout["tp_size"],
-                "pp": layout["pp_size"],
-                "vpp": len(model.chunks),
-                "dp": layout["dp_size"],
-                "world_size": layout["world_size"],
-            },
+            "has_rng_state": True,
+            "saved_layout": _layout_record(model),
         }
         tmp = ckpt_dir / (METADATA_FILE + ".tmp")
         tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
@@ -155,7 +189,8 @@ def load_checkpoint(
     model: GPTModelChunks, train: TrainState | None, ckpt_dir: str | Path, *, load_optimizer: bool
 ) -> dict:
     """Load a checkpoint saved at any layout into `model` (and `train`'s optimizer and schedule
-    when `load_optimizer`); collective. Returns the saved `engine_state`."""
+    when `load_optimizer`, and the ranks' RNG states when saved at this layout); collective.
+    Returns the saved `engine_state`."""
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
     info = read_checkpoint_info(ckpt_dir)
     _check_same_model(info, model, ckpt_dir)
@@ -165,6 +200,9 @@ def load_checkpoint(
     state = _model_state(model)
     if with_optimizer and info.has_optimizer_state:
         state["optimizer"] = train.optimizer.sharded_state_dict(dict(state), is_loading=True)
+    restore_rng = info.has_rng_state and info.saved_layout == _layout_record(model)
+    if restore_rng:
+        state["rng"] = _sharded_rng_state()
     loaded = dist_checkpointing.load(state, str(ckpt_dir))
     for i, chunk in enumerate(model.chunks):
         chunk.load_state_dict(loaded[f"model{i}"])
@@ -174,8 +212,12 @@ def load_checkpoint(
         train.reset_state()  # saved before the first step: start fresh
         train.optimizer.reload_model_params()
     if with_optimizer:
+        # The engine's own schedule settings win (a resumed run may run longer); the step count is restored.
+        train.scheduler.override_opt_param_scheduler = True
         train.scheduler.load_state_dict(loaded["scheduler"])
     elif train is not None:
         # Mixed precision keeps fp32 main copies inside the optimizer: refresh them.
         train.optimizer.reload_model_params()
+    if restore_rng:
+        _set_rng_state(loaded["rng"])
     return loaded.get("engine", {})

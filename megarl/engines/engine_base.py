@@ -187,9 +187,9 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ checkpoints and memory
 
-    def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
-        """Weights (+ optimizer and LR schedule when trainable) to `ckpt_dir`, loadable at any layout; collective.
-        `megarl export` turns it into an HF checkpoint."""
+    def save_checkpoint(self, ckpt_dir: str | Path, *, weights_only: bool = False) -> Path:
+        """Weights (+ optimizer and LR schedule when trainable and not `weights_only`) to `ckpt_dir`, loadable at
+        any layout; collective. `megarl export` turns it into an HF checkpoint."""
         cpu_compat.install()
         return checkpoint.save_checkpoint(
             self.model,
@@ -198,6 +198,7 @@ class MegatronEngine:
             hf_config=self.hf_config,
             tokenizer_path=self.tokenizer_path,
             engine_state={"update_calls": self._update_calls},
+            weights_only=weights_only,
         )
 
     def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool) -> None:

@@ -68,8 +68,9 @@ class TrainEngine(Protocol):
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the weights with a full HF state dict (every rank passes the same one)."""
 
-    def save_checkpoint(self, ckpt_dir: str | Path) -> Path:
-        """Weights (and optimizer and LR schedule when trainable), loadable at any layout."""
+    def save_checkpoint(self, ckpt_dir: str | Path, *, weights_only: bool = False) -> Path:
+        """Weights (and optimizer and LR schedule when trainable and not `weights_only`) and the ranks' RNG
+        states, loadable at any layout."""
 
     def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool) -> None:
         """Load a checkpoint saved at any layout; `load_optimizer=False` restores only the weights."""

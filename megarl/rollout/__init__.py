@@ -17,13 +17,14 @@
 
 from megarl.rollout.client import RolloutClient, RolloutError
 from megarl.rollout.dispatch import FleetError
-from megarl.rollout.fleet import RolloutFleet
+from megarl.rollout.fleet import GenerationInterrupted, RolloutFleet
 from megarl.rollout.results import GenerationResult, results_to_tensors
 from megarl.rollout.server import ServerHandle, ServerStartError, start_cpu_engine
 from megarl.rollout.server_host import ServerSpec
 
 __all__ = [
     "FleetError",
+    "GenerationInterrupted",
     "GenerationResult",
     "RolloutClient",
     "RolloutError",

@@ -20,6 +20,7 @@ blocking methods work from plain code and from inside other event loops
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 from dataclasses import dataclass
@@ -288,7 +289,11 @@ class RolloutClient:
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run `coroutine` on the client's private loop and block for its result (the fleet's dispatcher runs here)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        return self.submit(coroutine).result()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `coroutine` on the client's loop; cancelling the returned future cancels it there."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     async def _all(self, method: str, endpoint: str, body: Any = None) -> list[Any]:
         """The same call on every server (a list `body` gives one body per server); raises naming each failure."""

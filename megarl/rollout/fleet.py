@@ -26,6 +26,9 @@ current weight version through the registered weight source while holding
 the weight lock, checked on `/model_info`, and only then serves again. When
 no server is left, `FleetError` names each with its cause and log tail.
 
+Stopping: `stop_generating()` (thread-safe; the controller calls it on SIGTERM) cancels
+the generation in flight, which then raises `GenerationInterrupted`, and refuses new ones.
+
 Security: every server gets the run's API key, which `/generate`, weight
 updates and control calls require (only `/health` is open); servers bind to
 loopback or their node's own address, never 0.0.0.0 unless the recipe says
@@ -37,6 +40,7 @@ format on the colocated path, loaded by a server from its own trainer.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from dataclasses import dataclass
@@ -64,6 +68,10 @@ from megarl.rollout.sglang_launcher import passthrough_args
 # push(urls=[...], version=v) loads the trainer's current weights into those servers under version v;
 # on GPUs it also gets devices=[per server, the UUID of each TP rank's GPU] (the tensor transport needs them).
 WeightSource = Callable[..., Any]
+
+
+class GenerationInterrupted(RuntimeError):
+    """`stop_generating()` cancelled this generation (or came before it): the run is stopping."""
 
 
 @dataclass
@@ -116,6 +124,9 @@ class RolloutFleet:
         self._recoveries: set[asyncio.Task] = set()
         self._changed: asyncio.Event | None = None
         self._closed = False
+        self._generation_lock = threading.Lock()
+        self._generation: concurrent.futures.Future | None = None
+        self._generation_stopped = False
         self._client: RolloutClient | None = None
         self._router: RouterHandle | None = None
         self._router_target: _RouterTarget | None = None
@@ -159,10 +170,27 @@ class RolloutFleet:
         """Responses, full sequences, engine log-probs and finish reasons for every row of `gen_batch`."""
         prompts = prompt_token_lists(gen_batch)
         groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
-        results = self._client.run(self._generate_rows(
-            prompts, groups, sampling={**self.sampling, "temperature": temperature}, seed=self.seed * 100_003 + seed
-        ))
+        with self._generation_lock:
+            if self._generation_stopped:
+                raise GenerationInterrupted("generation was stopped: the run is shutting down")
+            self._generation = self._client.submit(self._generate_rows(
+                prompts, groups, sampling={**self.sampling, "temperature": temperature},
+                seed=self.seed * 100_003 + seed,
+            ))
+        try:
+            results = self._generation.result()
+        except concurrent.futures.CancelledError:
+            raise GenerationInterrupted("generation was stopped: the run is shutting down") from None
+        finally:
+            self._generation = None
         return rollout_batch(gen_batch, results, pad_id=self.pad_token_id, max_response_length=self.max_response_length)
+
+    def stop_generating(self) -> None:
+        """Cancel the generation in flight and refuse later ones (from any thread)."""
+        with self._generation_lock:
+            self._generation_stopped = True
+            if self._generation is not None:
+                self._generation.cancel()
 
     async def _generate_rows(
         self, prompts: list[list[int]], groups: list[list[int]], *, sampling: dict[str, Any], seed: int

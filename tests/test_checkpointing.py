@@ -1,0 +1,175 @@
+"""Step checkpoints on disk and the start-up decision (resume / refuse / start over), without engines.
+
+The roles' worker groups are stand-ins that write files where the real ones write their
+distributed checkpoints, so the directory protocol is tested on its own: temporary name,
+marker with a digest per file, rename, pruning after completion, incomplete and corrupt
+directories never loaded. The engines' side is covered by the e2e resume tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megarl.cli import main
+from megarl.config import dump_recipe, load_recipe
+from megarl.controller.checkpointing import (
+    MARKER,
+    complete_steps,
+    remove_incomplete,
+    save_step,
+    verify,
+)
+from megarl.controller.resume import check_compatible, resume_or_start
+from megarl.errors import InputError
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
+
+
+class FileWritingGroup:
+    """Writes a two-file "checkpoint" per save call, like a role's ranks would; counts the calls."""
+
+    def __init__(self, role: str):
+        self.role, self.saves = role, 0
+
+    def run(self, method: str, ckpt_dir: str, **kwargs) -> None:
+        assert method == "save_checkpoint"
+        self.saves += 1
+        path = Path(ckpt_dir)
+        path.mkdir(parents=True)
+        (path / "metadata.json").write_text(json.dumps({"role": self.role, "save": self.saves, **kwargs}))
+        (path / "__0_0.distcp").write_bytes(bytes(range(256)) * (self.saves + 1))
+
+
+def _roles(reference: bool = True):
+    return SimpleNamespace(
+        actor=SimpleNamespace(group=FileWritingGroup("actor")), critic=None,
+        reference=SimpleNamespace(group=FileWritingGroup("reference")) if reference else None,
+    )
+
+
+def _recipe(tmp_path: Path, *overrides: str):
+    return load_recipe(QUICKSTART, [f"trainer.output_dir={tmp_path}", "name=run", *overrides])
+
+
+def _save(roles, run_dir: Path, step: int, recipe, keep_last: int = 2):
+    return save_step(roles, run_dir, step=step, controller_state={"step": step}, recipe_text=dump_recipe(recipe),
+                     keep_last=keep_last, weights_only=False)
+
+
+def test_a_step_is_complete_with_a_marker_listing_every_file_and_its_digest(tmp_path):
+    recipe, run_dir = _recipe(tmp_path), tmp_path / "run"
+    checkpoint = _save(_roles(), run_dir, 3, recipe)
+    assert checkpoint.path == run_dir / "checkpoints" / "step_3" and checkpoint.step == 3
+    marker = json.loads((checkpoint.path / MARKER).read_text())
+    files = sorted(str(p.relative_to(checkpoint.path)) for p in checkpoint.path.rglob("*") if p.is_file())
+    assert sorted(marker["files"]) == [name for name in files if name != MARKER]
+    assert {"actor/metadata.json", "reference/__0_0.distcp", "controller_state.json", "recipe.yaml"} <= set(files)
+    for name, digest in marker["files"].items():
+        assert hashlib.sha256((checkpoint.path / name).read_bytes()).hexdigest() == digest
+    assert marker["roles"] == ["actor", "reference"] and marker["weights_only"] is False
+    assert json.loads((checkpoint.path / "controller_state.json").read_text()) == {"step": 3}
+    assert verify(checkpoint) == []
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_keep_last_prunes_only_complete_steps_and_the_reference_is_linked_not_rewritten(tmp_path):
+    recipe, run_dir, roles = _recipe(tmp_path), tmp_path / "run", _roles()
+    for step in (1, 2, 3):
+        _save(roles, run_dir, step, recipe, keep_last=2)
+    assert [c.step for c in complete_steps(run_dir)] == [2, 3]
+    # Written once, then hard-linked: pruning step_1 did not take the data with it.
+    assert roles.reference.group.saves == 1 and roles.actor.group.saves == 3
+    linked = run_dir / "checkpoints" / "step_3" / "reference" / "__0_0.distcp"
+    assert linked.stat().st_nlink == 2 and verify(complete_steps(run_dir)[-1]) == []
+
+
+def test_an_interrupted_save_is_never_loaded_and_is_removed_at_start(tmp_path):
+    recipe, run_dir = _recipe(tmp_path), tmp_path / "run"
+    _save(_roles(), run_dir, 1, recipe)
+    root = run_dir / "checkpoints"
+    (root / ".tmp-step_2" / "actor").mkdir(parents=True)  # killed while writing
+    (root / "step_3" / "actor").mkdir(parents=True)  # a step dir without its marker
+    (root / "step_4").mkdir()
+    (root / "step_4" / MARKER).write_text(json.dumps({"format_version": 1, "step": 5}))  # marker of another step
+    assert [c.step for c in complete_steps(run_dir)] == [1]
+    assert sorted(p.name for p in remove_incomplete(run_dir)) == [".tmp-step_2", "step_3", "step_4"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"]
+
+
+def test_a_corrupt_checkpoint_is_moved_aside_and_the_previous_one_resumed(tmp_path):
+    recipe, run_dir = _recipe(tmp_path), tmp_path / "run"
+    roles = _roles()
+    _save(roles, run_dir, 1, recipe)
+    newest = _save(roles, run_dir, 2, recipe)
+    with open(newest.path / "actor" / "__0_0.distcp", "r+b") as handle:
+        handle.write(b"\xff")  # one flipped byte
+    assert verify(newest) == [f"{newest.path}/actor/__0_0.distcp: sha256 differs from {MARKER}"]
+    said = []
+    resume_from = resume_or_start(run_dir, recipe, say=said.append)
+    assert resume_from.step == 1 and (run_dir / "checkpoints" / "corrupt-step_2").is_dir()
+    assert any("corrupt" in line for line in said)
+
+
+def test_resume_refuses_a_changed_model_data_or_algorithm_one_line_per_key(tmp_path):
+    run_dir = tmp_path / "run"
+    checkpoint = _save(_roles(), run_dir, 2, _recipe(tmp_path))
+    changed = _recipe(tmp_path, "model.config.hidden_size=256", "data.train_batch_size=128",
+                      "algorithm.norm_adv_by_std_in_grpo=false", "rollout.n=4")
+    with pytest.raises(InputError) as error:
+        check_compatible(checkpoint, changed)
+    keys = [line.split(":")[0] for line in error.value.problems]
+    assert keys == ["algorithm.norm_adv_by_std_in_grpo", "data.train_batch_size", "model.config.hidden_size",
+                    "rollout.n"]
+    assert error.value.problems[2].endswith("(it was written with 128); keep it, or start over with --no-resume "
+                                            "(got 256)")
+    # How the run executes and logs may change: steps, cadence, logging, layout, micro-batches, optimizer.
+    check_compatible(checkpoint, _recipe(
+        tmp_path, "trainer.total_steps=100", "trainer.val_every=3", "trainer.logging.tensorboard=false",
+        "placement.gpus_per_node=2", "rollout.num_servers=2", "actor.parallel.tp=2", "actor.ppo_micro_batch_size=32", "actor.optim.lr=1e-4",
+        "trainer.checkpoint.save_every=5", "rollout.max_concurrency=8"))
+
+
+def test_megarl_train_refuses_an_incompatible_resume_with_status_2_naming_the_key(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _save(_roles(), run_dir, 2, _recipe(tmp_path))
+    before = sorted(str(p) for p in run_dir.rglob("*"))
+    status = main(["train", str(QUICKSTART), "--set", f"trainer.output_dir={tmp_path}", "--set", "name=run",
+                   "--set", "model.config.num_hidden_layers=4"])
+    assert status == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model.config.num_hidden_layers: cannot resume ")
+    assert sorted(str(p) for p in run_dir.rglob("*")) == before  # nothing touched
+
+
+def test_start_over_moves_the_old_run_dir_aside_never_deletes_it(tmp_path):
+    recipe, run_dir = _recipe(tmp_path, "trainer.checkpoint.resume=never"), tmp_path / "run"
+    _save(_roles(), run_dir, 2, recipe)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    said = []
+    assert resume_or_start(run_dir, recipe, say=said.append) is None
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert (aside / "checkpoints" / "step_2" / MARKER).is_file() and (aside / "metrics.jsonl").is_file()
+    assert list(run_dir.iterdir()) == []
+    assert str(aside) in said[0]
+
+
+def test_weights_only_saves_and_loads_without_optimizer_state(tmp_path):
+    from megarl.controller.checkpointing import load_step
+
+    recipe, run_dir, roles = _recipe(tmp_path), tmp_path / "run", _roles()
+    checkpoint = save_step(roles, run_dir, step=1, controller_state={"step": 1}, recipe_text=dump_recipe(recipe),
+                           keep_last=0, weights_only=True)
+    assert checkpoint.weights_only and json.loads((checkpoint.path / MARKER).read_text())["weights_only"] is True
+    assert json.loads((checkpoint.path / "actor" / "metadata.json").read_text())["weights_only"] is True
+
+    calls = []
+    recording = SimpleNamespace(run=lambda method, path, **kwargs: calls.append((method, Path(path).name, kwargs)))
+    load_step(SimpleNamespace(actor=SimpleNamespace(group=recording), critic=None,
+                              reference=SimpleNamespace(group=recording)), checkpoint)
+    assert calls == [("load_checkpoint", "actor", {"load_optimizer": False}),
+                     ("load_checkpoint", "reference", {"load_optimizer": False})]

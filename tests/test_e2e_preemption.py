@@ -1,0 +1,184 @@
+"""End to end: `megarl train` as its own process, stopped by SIGTERM, by Ctrl-C and by SIGKILL, then resumed.
+
+One run directory goes through four lives:
+1. SIGTERM to the driver alone (what a Slurm batch script forwards) while step 2 generates:
+   the step is abandoned, the state after step 1 is checkpointed, exit status 75.
+2. Resumed; SIGINT to the whole process group (a Ctrl-C in a terminal) while step 3
+   updates the actor: the step is finished and checkpointed, exit status 75. Ray's workers
+   get the SIGINT too and must survive it until the driver has saved.
+3. Resumed; SIGKILL while the checkpoint of step 4 is being written: the previous
+   checkpoint stays complete, the half-written one has no marker.
+4. Resumed in this process: the half-written checkpoint is removed, step 4 is redone.
+After each life no process the run started is left, and no shared-memory file of theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megarl.config import load_recipe
+from megarl.controller.checkpointing import MARKER
+from megarl.controller.preemption import EXIT_PREEMPTED
+from megarl.controller.run import train
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
+REPO = Path(__file__).resolve().parents[1]
+# One request at a time per server: generation takes long enough to be caught in the act.
+SETTINGS = ["trainer.total_steps=4", "trainer.val_every=0", "sft_warmup.steps=5", "sft_warmup.batch_size=32",
+            "data.synthetic.num_val=16", "data.train_batch_size=8", "rollout.n=4", "rollout.max_concurrency=1",
+            "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=8", "actor.entropy_coeff=0.01",
+            "trainer.checkpoint.save_every=0", "trainer.checkpoint.keep_last=0", "trainer.logging.console=false"]
+TORCH_SHM = re.compile(r"torch_(\d+)_")
+
+
+class Driver:
+    """A `megarl train` process in its own session; remembers every process it ever had below it."""
+
+    def __init__(self, output_dir: Path, log: Path):
+        args = [sys.executable, "-m", "megarl.cli", "train", str(RECIPE), "--set", f"trainer.output_dir={output_dir}",
+                "--set", "name=run"]
+        for setting in SETTINGS:
+            args += ["--set", setting]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        self.log = log
+        self.shm_before = set(os.listdir("/dev/shm"))
+        self.process = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        self.pids = {self.process.pid}
+
+    def watch(self, until, timeout_s: float = 300.0) -> None:
+        """Poll (recording descendants) until `until()` is true; fail if the driver exits first."""
+        deadline = time.monotonic() + timeout_s
+        while not until():
+            self._record()
+            assert self.process.poll() is None, f"driver exited with {self.process.returncode}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"timed out; driver output:\n{self.output()}"
+            time.sleep(0.01)
+
+    def _record(self) -> None:
+        try:
+            self.pids |= {child.pid for child in psutil.Process(self.process.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def wait(self, timeout_s: float = 300.0) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"driver did not exit within {timeout_s} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def leftovers(self, grace_s: float = 30.0) -> tuple[list[str], list[str]]:
+        """(processes of the run still alive after `grace_s`, its new /dev/shm files)."""
+        deadline = time.monotonic() + grace_s
+        alive = []
+        while time.monotonic() < deadline:
+            alive = [f"{pid} {_describe(pid)}" for pid in sorted(self.pids) if _alive(pid)]
+            if not alive:
+                break
+            time.sleep(0.5)
+        shm = [name for name in set(os.listdir("/dev/shm")) - self.shm_before
+               if (match := TORCH_SHM.match(name)) and int(match.group(1)) in self.pids]
+        return alive, shm
+
+    def kill_leftovers(self) -> None:
+        for pid in self.pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        # A process killed by SIGKILL cannot unlink its shared memory: remove what the run's processes made.
+        for name in set(os.listdir("/dev/shm")) - self.shm_before:
+            if (match := TORCH_SHM.match(name)) and int(match.group(1)) in self.pids:
+                os.unlink(f"/dev/shm/{name}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _describe(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:160]
+    except psutil.Error:
+        return "?"
+
+
+def _phase_started(run_dir: Path, step: int, phase: str):
+    log = run_dir / "logs" / "controller.log"
+    return lambda: log.exists() and f"step {step}: {phase}\n" in log.read_text()
+
+
+def _complete_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*")
+                  if (p / MARKER).is_file())
+
+
+def _steps_logged(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(ray_session, tmp_path):
+    run_dir = tmp_path / "run"
+
+    # 1. SIGTERM to the driver while step 2 generates.
+    driver = Driver(tmp_path, tmp_path / "life1.log")
+    try:
+        driver.watch(_phase_started(run_dir, 2, "gen"))
+        driver.process.send_signal(signal.SIGTERM)
+        assert driver.wait() == EXIT_PREEMPTED, driver.output()
+    finally:
+        alive, shm = driver.leftovers()
+        driver.kill_leftovers()
+    assert not alive and not shm, (alive, shm)
+    controller_log = (run_dir / "logs" / "controller.log").read_text()
+    assert "stop requested: step 2 abandoned during gen" in controller_log
+    assert "preempted:" in driver.output() and _complete_steps(run_dir) == [1] and _steps_logged(run_dir) == [1]
+    state = json.loads((run_dir / "checkpoints" / "step_1" / "controller_state.json").read_text())
+    assert state["step"] == 1 and state["loader"]["position"] == 8  # step 2's batch was given back
+
+    # 2. Ctrl-C (SIGINT to the process group: driver and Ray's processes) while step 3 updates the actor.
+    driver = Driver(tmp_path, tmp_path / "life2.log")
+    try:
+        driver.watch(_phase_started(run_dir, 3, "update_actor"))
+        os.killpg(driver.process.pid, signal.SIGINT)
+        assert driver.wait() == EXIT_PREEMPTED, driver.output()
+    finally:
+        alive, shm = driver.leftovers()
+        driver.kill_leftovers()
+    assert not alive and not shm, (alive, shm)
+    assert "stop requested: step 3 finished" in (run_dir / "logs" / "controller.log").read_text()
+    assert _complete_steps(run_dir) == [1, 3] and _steps_logged(run_dir) == [1, 2, 3]
+
+    # 3. SIGKILL while the last checkpoint is being written.
+    driver = Driver(tmp_path, tmp_path / "life3.log")
+    partial = run_dir / "checkpoints" / ".tmp-step_4"
+    try:
+        driver.watch(partial.exists)
+        driver.process.kill()
+        driver.wait()
+    finally:
+        driver.leftovers(grace_s=10)  # what SIGKILL leaves (Ray's agents, a bucket file) is cleaned up here
+        driver.kill_leftovers()
+    assert partial.is_dir() and not (partial / MARKER).exists() and _complete_steps(run_dir) == [1, 3]
+
+    # 4. Resumed from step 3: the torn save is gone, step 4 is redone and logged once.
+    train(load_recipe(RECIPE, [f"trainer.output_dir={tmp_path}", "name=run", *SETTINGS]))
+    assert not partial.exists() and _complete_steps(run_dir) == [1, 3, 4]
+    assert _steps_logged(run_dir) == [1, 2, 3, 4]
