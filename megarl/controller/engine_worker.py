@@ -36,7 +36,8 @@ class MegatronWorker:
         return host, free_port()
 
     def init_engine(self, *, kind: str, master_addr: str, master_port: int, parallel: dict, hf_config: dict,
-                    weights: str | None, seed: int, params_dtype: str, optimizer: OptimizerSettings | None) -> None:
+                    weights: str | None, seed: int, params_dtype: str, transformer_impl: str,
+                    optimizer: OptimizerSettings | None) -> None:
         """Join the engine's process group and build its `kind` engine ("policy": actor or, without an
         optimizer, the frozen reference; "value": the critic)."""
         from megarl.engines.distributed import init_distributed
@@ -46,7 +47,8 @@ class MegatronWorker:
         init_distributed(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
                          master_port=master_port, tp=parallel["tp"], pp=parallel["pp"], vpp=parallel.get("vpp"),
                          ep=parallel.get("ep", 1))
-        common = dict(hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype, optimizer=optimizer)
+        common = dict(hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype,
+                      transformer_impl=transformer_impl, optimizer=optimizer)
         if kind == "policy":
             from megarl.engines.actor import PolicyEngine
 

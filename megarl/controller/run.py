@@ -45,7 +45,7 @@ def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_co
     master_addr, master_port = group.run_rank(0, "master_endpoint")
     group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port,
               parallel=parallel.model_dump(), hf_config=hf_config, weights=str(weights), seed=recipe.seed,
-              params_dtype=recipe.model.dtype, optimizer=optimizer)
+              params_dtype=recipe.model.dtype, transformer_impl=recipe.model.transformer_impl, optimizer=optimizer)
     return group
 
 
