@@ -95,7 +95,8 @@ def _rank(rank: int, port: int, layout: dict, args: argparse.Namespace, out_dir:
     init_distributed(rank=rank, world_size=WORLD_SIZE, master_addr="127.0.0.1", master_port=port, **layout)
     optimizer = OptimizerSettings(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, clip_grad=1.0,
                                   warmup_steps=0, schedule="constant", min_lr=0.0, total_steps=args.steps)
-    engine = PolicyEngine(hf_config=hf_config(args), weights=None, seed=0, params_dtype=None, optimizer=optimizer)
+    engine = PolicyEngine(hf_config=hf_config(args), weights=None, seed=0, params_dtype=None,
+                          transformer_impl=args.transformer_impl, optimizer=optimizer)
     loss = PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                               entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl")
     batch = gsm8k_like_batch(args.rows, seed=1, vocab=args.vocab)
@@ -162,6 +163,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--transformer-impl", default="auto", choices=("auto", "transformer_engine", "local"),
+                        help="layer spec (as model.transformer_impl in a recipe)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per fixed micro-batch")
     parser.add_argument("--max-tokens", type=int, default=2048, help="token budget of a packed micro-batch")
     args = parser.parse_args()

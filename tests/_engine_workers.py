@@ -81,7 +81,7 @@ def policy_engine(checkpoint: str | None, *, optim=None, seed: int = 0, hf_confi
     from megarl.engines.actor import PolicyEngine
 
     return PolicyEngine(hf_config=hf_config or _hf_config(checkpoint), weights=checkpoint, seed=seed,
-                        params_dtype=None, optimizer=optim)
+                        params_dtype=None, transformer_impl="local", optimizer=optim)
 
 
 def log_prob_rows(batch: dict, response_length: int) -> dict:
@@ -286,7 +286,26 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
     draws()  # as above
     again.load_checkpoint(ckpt_dir, load_optimizer=True)
     out["same_layout_rng"] = draws()
+    out.update(_followers_of(ckpt_dir, hf_config))
     return out
+
+
+def _followers_of(ckpt_dir: str, hf_config: dict) -> dict:
+    """A frozen reference and a critic (other seeds) loading the policy checkpoint's weights, and the keys the
+    checkpoint's tensors are stored under."""
+    from megarl.engines.checkpoint import sharded_model_state
+    from megarl.engines.critic import ValueEngine
+
+    reference = policy_engine(None, optim=None, seed=98, hf_config=hf_config)
+    reference.load_policy_checkpoint(ckpt_dir)
+    critic = ValueEngine(hf_config=hf_config, weights=None, seed=97, head_init_std=0.1, params_dtype=None,
+                         transformer_impl="local", optimizer=optimizer(lr=1e-3))
+    head_before = [t.detach().clone() for t in (critic.value_head.weight, critic.value_head.bias)]
+    critic.load_policy_checkpoint(ckpt_dir)
+    keys = sorted(item.key for chunk in sharded_model_state(reference.model).values() for item in chunk.values())
+    return {"reference_loaded_weights": reference.hf_state_dict(), "critic_loaded_weights": critic.hf_state_dict(),
+            "critic_head": (head_before, [critic.value_head.weight.detach(), critic.value_head.bias.detach()]),
+            "checkpoint_keys": keys}
 
 
 def moe_outputs(
@@ -295,6 +314,7 @@ def moe_outputs(
     """The matrix outputs of MoE checkpoints per layout (switched in place), plus the gathered HF
     weights; the first checkpoint is also saved at the first layout with EP > 1 and loaded
     back at every later layout (its log-probs then)."""
+    from megarl.engines.checkpoint import sharded_model_state
     from megarl.engines.distributed import parallel_layout, set_model_parallel
 
     first = next(iter(checkpoints.values()))
@@ -307,6 +327,8 @@ def moe_outputs(
             out[name] = _model_outputs(checkpoint, batch, response_length)
         engine = policy_engine(first)
         out["weights"] = engine.hf_state_dict()
+        out["checkpoint_keys"] = sorted(item.key for chunk in sharded_model_state(engine.model).values()
+                                        for item in chunk.values())
         if saved:
             engine = policy_engine(None, optim=optimizer(lr=0.0), seed=5, hf_config=_hf_config(first))
             engine.load_checkpoint(ckpt_dir, load_optimizer=True)
@@ -317,3 +339,82 @@ def moe_outputs(
             saved = True
         results[layout_name] = out
     return results
+
+
+def _optimizer_tensors(engine) -> dict[str, torch.Tensor]:
+    """The optimizer's parameters (fp32 main copies for a bf16 model) and its per-parameter state tensors."""
+    tensors = {}
+    for i, inner in enumerate(engine.train.torch_optimizers()):
+        for g, group in enumerate(inner.param_groups):
+            for j, param in enumerate(group["params"]):
+                tensors[f"opt{i}.{g}.{j}"] = param
+                for key, value in inner.state.get(param, {}).items():
+                    if torch.is_tensor(value):
+                        tensors[f"opt{i}.{g}.{j}.{key}"] = value
+    return tensors
+
+
+def _engine_tensors(engine) -> dict[str, tuple[torch.Tensor, str]]:
+    """Every weight and optimizer tensor of `engine`: (a host copy, the device it lives on)."""
+    named = {f"model.{name}": p for chunk in engine.model.chunks for name, p in chunk.named_parameters()}
+    named.update(_optimizer_tensors(engine))
+    return {name: (t.detach().cpu().clone(), str(t.device)) for name, t in named.items()}
+
+
+def _grad_storage_bytes(engine) -> list[int]:
+    return [buffer.grad_data.untyped_storage().nbytes() for ddp in engine.train.ddp_chunks
+            for buffer in [*ddp.buffers, *ddp.expert_parallel_buffers]]
+
+
+def offload_cycle(*, rank: int, hf_config: dict, batch: dict, params_dtype: str, ppo: dict) -> dict:
+    """An actor trains a step, offloads (optimizer first, then the weights too), onloads and trains on; a twin
+    that never offloads takes the same steps. Returns both engines' tensors around the cycle, the gradient
+    buffers' storage sizes and the device memory at each point (None on CPU)."""
+    from megarl.engines.actor import PolicyEngine
+
+    def make():
+        return PolicyEngine(hf_config=hf_config, weights=None, seed=3, params_dtype=params_dtype,
+                            transformer_impl="local", optimizer=optimizer(lr=1e-2, clip_grad=1.0))
+
+    def device_bytes():
+        return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+
+    keys = ("input_ids", "attention_mask", "position_ids", "response_mask", "old_log_probs", "advantages")
+    rows, settings = {k: batch[k] for k in keys}, policy_update(micro_batch_size=2, **ppo)
+    twin, cycled = make(), make()
+    out = {"twin_first": twin.update(rows, settings), "first": cycled.update(rows, settings)}
+    out["before"], out["grad_bytes_before"], out["bytes_before"] = (
+        _engine_tensors(cycled), _grad_storage_bytes(cycled), device_bytes())
+    cycled.offload(weights=False)
+    out["bytes_optimizer_offloaded"] = device_bytes()
+    cycled.offload(weights=True)  # the second call takes what is still on the device: the weights
+    out["offloaded_devices"] = {name: device for name, (_, device) in _engine_tensors(cycled).items()}
+    out["grad_bytes_offloaded"], out["bytes_offloaded"] = _grad_storage_bytes(cycled), device_bytes()
+    cycled.onload()
+    out["after"], out["grad_bytes_after"], out["bytes_after"] = (
+        _engine_tensors(cycled), _grad_storage_bytes(cycled), device_bytes())
+    out["second"], out["twin_second"] = cycled.update(rows, settings), twin.update(rows, settings)
+    out["weights"], out["twin_weights"] = cycled.hf_state_dict(), twin.hf_state_dict()
+    return out
+
+
+def layer_specs_side_by_side(*, rank: int, checkpoint: str, batch: dict, impls: tuple[str, ...]) -> dict:
+    """Per layer spec, the same HF weights: full logits, one SFT step's gradients (lr 0) in HF names, and the
+    parameter names the spec built."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    out = {}
+    for impl in impls:
+        engine = spec_engine(checkpoint, impl)
+        sft = engine.sft_step({**inputs, "loss_mask": batch["loss_mask"]}, batching=batching(2), lr=0.0)
+        out[impl] = {"logits": full_logits(engine, inputs), "sft": sft, "grads": gathered_grads(engine),
+                     "names": [name for chunk in engine.model.chunks for name, _ in chunk.named_parameters()],
+                     "resolved": engine.model.transformer_impl}
+    return out
+
+
+def spec_engine(checkpoint: str, transformer_impl: str):
+    """A float32 trainable PolicyEngine (lr 0) from `checkpoint` with the given layer spec."""
+    from megarl.engines.actor import PolicyEngine
+
+    return PolicyEngine(hf_config=_hf_config(checkpoint), weights=checkpoint, seed=0, params_dtype="float32",
+                        transformer_impl=transformer_impl, optimizer=optimizer(lr=0.0))

@@ -113,3 +113,27 @@ def test_weights_only_load_does_not_restore_the_optimizer(job):
             for name, weight in out["continued_weights"].items()
         ]
         assert max(diffs) > 1e-4
+
+
+def test_reference_and_critic_start_from_the_policy_checkpoint_at_another_layout(job):
+    """`load_policy_checkpoint` (the warmed-up actor -> reference and critic, no full state dict anywhere):
+    saved at TP2xPP2, loaded at TP1PP1 into engines built with other seeds. The critic takes the backbone
+    and keeps its own value head."""
+    for out in job["out"]:
+        saved = out["saved_weights"]
+        assert out["reference_loaded_weights"].keys() == saved.keys()
+        for name, weight in saved.items():
+            assert torch.equal(out["reference_loaded_weights"][name], weight), name
+            assert torch.equal(out["critic_loaded_weights"][name], weight), name  # tied: no LM head in HF names
+        (weight_before, bias_before), (weight_after, bias_after) = out["critic_head"]
+        assert torch.equal(weight_after, weight_before) and torch.equal(bias_after, bias_before)
+        assert weight_before.abs().sum() > 0  # head_init_std 0.1: a head the load would have overwritten
+
+
+def test_checkpoints_store_layer_norms_under_transformer_engine_keys(job):
+    """Megatron's local spec stores its norms under TE's fused-norm keys; megarl leaves out `_extra_state`
+    (None in local layers, FP8 metadata in TE ones), so a checkpoint loads into either layer spec."""
+    keys = set(job["out"][0]["checkpoint_keys"])
+    assert {"decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight"} <= keys
+    assert not any("input_layernorm" in key or "pre_mlp_layernorm" in key or "_extra_state" in key for key in keys)

@@ -59,7 +59,7 @@ def critic_job(*, rank: int, hf_config: dict, weights: dict, batch: dict, ckpt_d
     from megarl.engines.critic import ValueEngine
 
     engine = ValueEngine(hf_config=hf_config, weights=weights, seed=1, head_init_std=0.1, params_dtype="float32",
-                         optimizer=optimizer(lr=1e-3, clip_grad=1.0))
+                         transformer_impl="local", optimizer=optimizer(lr=1e-3, clip_grad=1.0))
     rows = log_prob_rows(batch, RESPONSE)
     values = engine.compute_values(rows, batching=batching(4))
     packed = engine.compute_values(rows, batching=batching(4, 20))
@@ -72,7 +72,7 @@ def critic_job(*, rank: int, hf_config: dict, weights: dict, batch: dict, ckpt_d
     if ckpt_dir is not None:  # a fresh engine (other seed) loads the trained critic from a checkpoint
         engine.save_checkpoint(ckpt_dir)
         fresh = ValueEngine(hf_config=hf_config, weights=None, seed=9, params_dtype="float32",
-                            optimizer=optimizer(lr=1e-3, clip_grad=1.0))
+                            transformer_impl="local", optimizer=optimizer(lr=1e-3, clip_grad=1.0))
         fresh.load_checkpoint(ckpt_dir, load_optimizer=True)
         restored = (engine.compute_values(rows, batching=batching(4)),
                     fresh.compute_values(rows, batching=batching(4)))

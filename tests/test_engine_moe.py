@@ -187,3 +187,14 @@ def test_checkpoint_saved_at_ep2_loads_at_other_layouts(job):
         for layout in ("pp2",):
             loaded, expected = ranks[layout]["loaded_log_probs"], ranks["ep2"]["moe_renorm"]["log_probs"]
             assert torch.allclose(loaded[valid], expected[valid], atol=1e-5, rtol=0), layout
+
+
+def test_moe_checkpoint_keys_are_the_same_for_either_layer_spec(job):
+    """A MoE layer's pre-MLP norm: megatron's local spec stores it under the fused-norm key, as a dense layer's;
+    TE's MoE spec keeps a `pre_mlp_layernorm` module, which `checkpoint.checkpoint_key` maps to the same key."""
+    *_, out = job
+    for layout in LAYOUTS:
+        keys = set(out[0][layout]["checkpoint_keys"])
+        assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in keys
+        assert "decoder.layers.mlp.router.weight" in keys
+        assert not any("pre_mlp_layernorm" in key or "_extra_state" in key for key in keys), layout

@@ -34,6 +34,10 @@ class ModelConfig(Section):
     )
     tokenizer: str = Field("builtin", description="tokenizer dir, or 'builtin' for megarl's in-repo tokenizer")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="parameter/compute dtype")
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = Field(
+        "auto", description="Megatron layer spec: auto = Transformer Engine when it imports and CUDA is present, "
+        "else megatron's local layers"
+    )
 
     def hf_config(self) -> dict[str, Any]:
         """The HF config dict: `<path>/config.json` when it exists, else the inline one.

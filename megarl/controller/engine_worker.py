@@ -52,7 +52,8 @@ class MegatronWorker:
         return host, free_port()
 
     def init_engine(self, *, kind: str, master_addr: str, master_port: int, parallel: dict, hf_config: dict,
-                    weights: str | None, seed: int, params_dtype: str, optimizer: OptimizerSettings | None) -> None:
+                    weights: str | None, seed: int, params_dtype: str, transformer_impl: str,
+                    optimizer: OptimizerSettings | None) -> None:
         """Join the engine's process group and build its `kind` engine ("policy": actor or, without an
         optimizer, the frozen reference; "value": the critic)."""
         from megarl.engines.distributed import init_distributed
@@ -62,7 +63,8 @@ class MegatronWorker:
         init_distributed(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
                          master_port=master_port, tp=parallel["tp"], pp=parallel["pp"], vpp=parallel.get("vpp"),
                          ep=parallel.get("ep", 1))
-        common = dict(hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype, optimizer=optimizer)
+        common = dict(hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype,
+                      transformer_impl=transformer_impl, optimizer=optimizer)
         if kind == "policy":
             from megarl.engines.actor import PolicyEngine
 
@@ -98,20 +100,16 @@ class MegatronWorker:
     def sft_step(self, shard: Batch, *, batching: Batching, lr: float) -> dict[str, float] | None:
         return self._output(self.engine.sft_step(shard, batching=batching, lr=lr))
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full HF-named weights (collective over TP/PP); returned by rank 0 only."""
-        named = self.engine.hf_state_dict()
-        return named if self.rank == 0 else None
-
-    def load_hf_state_dict(self, named: dict[str, torch.Tensor]) -> None:
-        self.engine.load_hf_state_dict(named)
-
     def save_checkpoint(self, ckpt_dir: str, *, weights_only: bool = False) -> None:
         """Distributed checkpoint of this role (collective over its ranks)."""
         self.engine.save_checkpoint(ckpt_dir, weights_only=weights_only)
 
     def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool) -> None:
         self.engine.load_checkpoint(ckpt_dir, load_optimizer=load_optimizer)
+
+    def load_policy_checkpoint(self, ckpt_dir: str) -> None:
+        """The weights of a policy's checkpoint (a value model takes the backbone); each rank reads its shards."""
+        self.engine.load_policy_checkpoint(ckpt_dir)
 
     def reset_optimizer_state(self) -> None:
         """Forget Adam moments (e.g. after the SFT warm-up) so they do not leak into RL updates."""

@@ -54,7 +54,7 @@ def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_co
     master_addr, master_port = group.run_rank(0, "master_endpoint")
     group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port,
               parallel=parallel.model_dump(), hf_config=hf_config, weights=str(weights), seed=recipe.seed,
-              params_dtype=recipe.model.dtype, optimizer=optimizer)
+              params_dtype=recipe.model.dtype, transformer_impl=recipe.model.transformer_impl, optimizer=optimizer)
     return group
 
 
@@ -98,9 +98,13 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
         if critic is not None and not recipe.critic.model_path:
             followers.append(critic.group)
         if followers:
-            named = next(sd for sd in actor_group.run("hf_state_dict") if sd is not None)
+            # Through a weights-only checkpoint of the actor: every rank of a follower reads only its own
+            # shards, and no full copy of the model passes through this driver.
+            handoff = run_dir / "sft_handoff"
+            actor_group.run("save_checkpoint", str(handoff), weights_only=True)
             for group in followers:
-                group.run("load_hf_state_dict", named)
+                group.run("load_policy_checkpoint", str(handoff))
+            shutil.rmtree(handoff)
     api_key = secrets.token_hex(16)
     fleet = start_rollout_fleet(recipe, pool=pools["rollout"], weights=weights, tokenizer=data.tokenizer,
                                 api_key=api_key, log_dir=log_dir)

@@ -1,8 +1,10 @@
 """Megatron-core engines: the only package that imports megatron.core.
 
 `distributed` sets up process groups, `gpt` builds GPT (incl. MoE) models from HF
-configs, `hf_weights` moves HF weights in and out, `checkpoint` saves/loads distributed
-checkpoints at any layout and `export` turns one into an HF checkpoint, `logprobs`
+configs with Transformer Engine or local layers, `hf_weights` moves HF weights in and
+out (each rank reading only its slices of a checkpoint through `hf_reader`), `checkpoint`
+saves/loads distributed checkpoints at any layout and `export` turns one into an HF
+checkpoint, `offload` moves an engine's device memory to the host and back, `logprobs`
 computes token log-probs/entropy from vocab-parallel logits, `packing` + `schedule`
 build (packed) micro-batches and run megatron's pipeline schedule over them, `optim`
 holds optimizer + LR schedule, `actor.PolicyEngine` is the actor/reference and

@@ -45,6 +45,7 @@ class PolicyEngine(MegatronEngine):
         weights=None,
         seed: int,
         params_dtype: str | torch.dtype | None,
+        transformer_impl: str,
         optimizer: OptimizerSettings | None,
         tokenizer_path: str | None = None,
     ):
@@ -53,7 +54,7 @@ class PolicyEngine(MegatronEngine):
         `optimizer=None` builds a frozen reference. `tokenizer_path` is recorded in checkpoints
         for export (default: `weights` when it is a dir).
         """
-        self._build(hf_config, params_dtype=params_dtype, value_head=False)
+        self._build(hf_config, params_dtype=params_dtype, transformer_impl=transformer_impl, value_head=False)
         self.tokenizer_path = tokenizer_path or (str(weights) if isinstance(weights, (str, Path)) else None)
         hf_weights.load_hf_weights(self.model, weights, seed=seed)
         self._attach_optimizer(optimizer)

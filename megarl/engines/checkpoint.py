@@ -14,6 +14,14 @@ saved at (at another layout a rank has no counterpart, and keeps its seeded stat
 The LR schedule is restored as the loading engine's settings at the saved step count,
 so a resumed run may change its total steps (and with them the decay horizon).
 
+Checkpoints do not depend on the layer spec: megatron's local spec already stores its
+norms under Transformer Engine's names (`...linear_qkv.layer_norm_weight`); the one
+key the two specs disagree on (a MoE layer's pre-MLP norm) is stored under the local
+spec's key, and `_extra_state` entries (TE's FP8 metadata; None in local layers;
+megarl never trains in FP8) are left out. `load_policy_weights` loads only the
+weights of a policy checkpoint, optionally without the output layer (a value model
+starting from the actor's backbone): each rank reads only its own shards.
+
 Save and load are collectives over all ranks of the engine. Trap (PLATFORM.md): the
 save starts a spawn-based multiprocessing Manager, so a plain script that saves must
 guard its entry point with `if __name__ == "__main__":`; Ray actors and
@@ -75,10 +83,45 @@ def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo:
     )
 
 
-def _model_state(model: GPTModelChunks) -> dict:
-    # One entry per VPP chunk; the tensors inside carry global keys, so the dict nesting
-    # does not have to match between the saving and the loading layout.
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model.chunks)}
+# TE's layer spec keeps a MoE layer's pre-MLP norm as a module of its own; the local spec
+# (megatron's `sharded_state_dict_keys_map`) stores it under the fused-norm key.
+_KEY_ALIASES = {".pre_mlp_layernorm.": ".mlp.linear_fc1.layer_norm_"}
+
+
+def checkpoint_key(key: str) -> str:
+    """The key a sharded tensor is stored under, the same for either layer spec."""
+    for alias, key_in_file in _KEY_ALIASES.items():
+        key = key.replace(alias, key_in_file)
+    return key
+
+
+def _chunk_state(chunk, *, backbone_only: bool = False) -> dict:
+    state = {}
+    for name, item in chunk.sharded_state_dict().items():
+        if name.endswith("._extra_state") or (backbone_only and name.startswith("output_layer.")):
+            continue
+        item.key = checkpoint_key(item.key)
+        state[name] = item
+    return state
+
+
+def sharded_model_state(model: GPTModelChunks, *, backbone_only: bool = False) -> dict:
+    """What a checkpoint stores of `model` (`backbone_only`: without the output layer), as megatron's sharded
+    state dict per VPP chunk."""
+    # The tensors inside carry global keys, so the dict nesting does not have to match
+    # between the saving and the loading layout.
+    return {f"model{i}": _chunk_state(chunk, backbone_only=backbone_only) for i, chunk in enumerate(model.chunks)}
+
+
+def _load_into_chunks(model: GPTModelChunks, loaded: dict, *, backbone_only: bool = False) -> None:
+    """Copy loaded weights into the chunks; only the entries left out of checkpoints may be missing."""
+    for i, chunk in enumerate(model.chunks):
+        result = chunk.load_state_dict(loaded[f"model{i}"], strict=False)
+        missing = [name for name in result.missing_keys
+                   if not name.endswith("._extra_state") and not (backbone_only and name.startswith("output_layer."))]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"checkpoint does not fit model chunk {i}: missing {missing[:5]}, "
+                             f"unexpected {result.unexpected_keys[:5]}")
 
 
 def _barrier() -> None:
@@ -133,7 +176,7 @@ def save_checkpoint(
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         (ckpt_dir / METADATA_FILE).unlink(missing_ok=True)  # incomplete until the new one is written
     _barrier()
-    state: dict = {**_model_state(model), "engine": engine_state, "rng": _sharded_rng_state()}
+    state: dict = {**sharded_model_state(model), "engine": engine_state, "rng": _sharded_rng_state()}
     # Before the first step there are no moments to save, and megatron's sharded optimizer
     # state would ask the loader for moments that do not exist.
     with_optimizer_state = train is not None and train.has_state()
@@ -180,9 +223,19 @@ def _check_same_model(info: CheckpointInfo, model: GPTModelChunks, ckpt_dir: Pat
 
 def load_model_state(model: GPTModelChunks, ckpt_dir: Path) -> None:
     """Only the model weights of a checkpoint, into `model` at the current layout; collective."""
-    loaded = dist_checkpointing.load(_model_state(model), str(ckpt_dir))
-    for i, chunk in enumerate(model.chunks):
-        chunk.load_state_dict(loaded[f"model{i}"])
+    _load_into_chunks(model, dist_checkpointing.load(sharded_model_state(model), str(ckpt_dir)))
+
+
+def load_policy_weights(model: GPTModelChunks, ckpt_dir: str | Path, *, backbone_only: bool) -> None:
+    """The weights of a policy checkpoint (any layout) into `model` at the current layout; collective.
+
+    `backbone_only=True` (a value model) loads everything but the output layer. Each rank
+    reads only the shards its own parameters need.
+    """
+    ckpt_dir = Path(ckpt_dir).expanduser().resolve()
+    _check_same_model(read_checkpoint_info(ckpt_dir), model, ckpt_dir)
+    loaded = dist_checkpointing.load(sharded_model_state(model, backbone_only=backbone_only), str(ckpt_dir))
+    _load_into_chunks(model, loaded, backbone_only=backbone_only)
 
 
 def load_checkpoint(
@@ -197,15 +250,14 @@ def load_checkpoint(
     with_optimizer = train is not None and load_optimizer
     if with_optimizer and not info.has_optimizer:
         raise InputError(f"checkpoint {ckpt_dir}: saved without optimizer state (load with load_optimizer=False)")
-    state = _model_state(model)
+    state = sharded_model_state(model)
     if with_optimizer and info.has_optimizer_state:
         state["optimizer"] = train.optimizer.sharded_state_dict(dict(state), is_loading=True)
     restore_rng = info.has_rng_state and info.saved_layout == _layout_record(model)
     if restore_rng:
         state["rng"] = _sharded_rng_state()
     loaded = dist_checkpointing.load(state, str(ckpt_dir))
-    for i, chunk in enumerate(model.chunks):
-        chunk.load_state_dict(loaded[f"model{i}"])
+    _load_into_chunks(model, loaded)
     if with_optimizer and info.has_optimizer_state:
         train.optimizer.load_state_dict(loaded["optimizer"])
     elif with_optimizer:

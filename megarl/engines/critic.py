@@ -91,6 +91,7 @@ class ValueEngine(MegatronEngine):
         weights=None,
         seed: int,
         params_dtype: str | torch.dtype | None,
+        transformer_impl: str,
         optimizer: OptimizerSettings,
         head_init_std: float = 0.0,
     ):
@@ -99,19 +100,10 @@ class ValueEngine(MegatronEngine):
         The LM head of `weights` is ignored; the value head is N(0, head_init_std) from `seed`
         (zeros by default: the first values are 0), identical on every rank.
         """
-        self._build(hf_config, params_dtype=params_dtype, value_head=True)
-        self._load_backbone(weights, seed=seed)
+        self._build(hf_config, params_dtype=params_dtype, transformer_impl=transformer_impl, value_head=True)
+        hf_weights.load_hf_weights(self.model, weights, seed=seed, backbone_only=True)
         self._init_head(seed=seed, std=head_init_std)
         self._attach_optimizer(optimizer)
-
-    def _load_backbone(self, weights, *, seed: int) -> None:
-        if weights is None:
-            from megarl.models.layout import random_hf_state_dict
-
-            weights = random_hf_state_dict(self.model.arch, seed=seed)
-        elif not isinstance(weights, dict):
-            weights = hf_weights.read_hf_checkpoint(weights)
-        hf_weights.load_hf_state_dict(self.model, weights, backbone_only=True)
 
     def _init_head(self, *, seed: int, std: float) -> None:
         head = self.value_head

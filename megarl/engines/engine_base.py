@@ -56,14 +56,15 @@ class MegatronEngine:
     hf_config: dict
     tokenizer_path: str | None = None
     _update_calls: int = 0
-    _offloaded: bool = False
+    _offloaded: offload.Offloaded | None = None  # what the last offload(s) moved, until onload
     _backbone_only = False  # a value model keeps its own head when it loads a policy's weights
 
-    def _build(self, hf_config: dict, *, params_dtype, value_head: bool) -> None:
+    def _build(self, hf_config: dict, *, params_dtype, transformer_impl: str, value_head: bool) -> None:
         """The model of this rank (at the layout Megatron was initialised with); weights are loaded by the head."""
         cpu_compat.install()
         self.hf_config = dict(hf_config)
-        self.model = gpt.build_gpt(hf_config, params_dtype=params_dtype, value_head=value_head)
+        self.model = gpt.build_gpt(hf_config, params_dtype=params_dtype, transformer_impl=transformer_impl,
+                                   value_head=value_head)
         self._update_calls = 0
 
     def _attach_optimizer(self, optimizer: OptimizerSettings | None) -> None:
@@ -168,13 +169,14 @@ class MegatronEngine:
         shards = {
             (chunk_index, name): tensor
             for chunk_index, chunk in enumerate(self.model.chunks)
-            for name, tensor in chunk.state_dict().items()
-            if isinstance(tensor, Tensor)  # megatron also keeps `_extra_state` entries
+            for name, tensor in gpt.chunk_weights(chunk).items()
         }
         return WeightShards(shards, len(self.model.chunks), self.model.arch, self.model.padded_vocab)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """Full HF-named float32 CPU weights on every rank (collective over TP and PP)."""
+        """Full HF-named float32 CPU weights on every rank (collective over TP and PP). For tests and small
+        models: every rank then holds the whole model; `save_checkpoint` + `load_policy_checkpoint` hand weights
+        to another engine without that."""
         cpu_compat.install()
         return hf_weights.hf_state_dict(self.model)
 
@@ -209,14 +211,24 @@ class MegatronEngine:
         if load_optimizer:
             self._update_calls = int(engine_state.get("update_calls", self._update_calls))
 
+    def load_policy_checkpoint(self, ckpt_dir: str | Path) -> None:
+        """Replace the weights with those of a policy's checkpoint (saved at any layout, e.g. the actor's after the
+        SFT warm-up); collective. Each rank reads only its own shards: no full state dict exists anywhere. A
+        value model takes the backbone and keeps its value head; the optimizer state is kept."""
+        cpu_compat.install()
+        checkpoint.load_policy_weights(self.model, ckpt_dir, backbone_only=self._backbone_only)
+        if self.train is not None:
+            # A bf16 model trains fp32 main copies inside the optimizer: refresh them too.
+            self.train.optimizer.reload_model_params()
+
     def reset_optimizer_state(self) -> None:
         self._require_trainable().reset_state()
 
     def offload(self, *, weights: bool) -> None:
-        self._offloaded = offload.offload(self.model.chunks, self.train, weights=weights,
-                                          mixed_precision=self.model.config.bf16 or self.model.config.fp16)
+        moved = offload.offload(self.model.chunks, self.train, weights=weights)
+        self._offloaded = moved if self._offloaded is None else self._offloaded.merge(moved)
 
     def onload(self) -> None:
-        if self._offloaded:
-            offload.onload(self.model.chunks, self.train)
-            self._offloaded = False
+        if self._offloaded is not None:
+            offload.onload(self._offloaded)
+            self._offloaded = None

@@ -3,16 +3,18 @@
 `export_checkpoint(ckpt_dir, out_dir)` (the `megarl export CKPT --hf OUT` verb) starts a
 world-size-1 gloo process group, builds the model at TP1/PP1 from the HF config saved
 in the checkpoint's metadata, lets dist_checkpointing reshard the saved shards into it,
-converts the weights to HF names and writes `model.safetensors` (in the dtype the engine
-trained in), `config.json` and the tokenizer files recorded at save time. No GPU and no
-other input is needed. It needs a process of its own: torch.distributed must not be
-initialised yet (the CLI is such a process). Memory: the whole model plus one float32
-copy of it, on one host.
+then builds the HF tensors one at a time (`megarl.models.hf_sources`) and writes them
+(in the dtype the engine trained in) as safetensors files of at most `max_shard_bytes`
+(`model.safetensors`, or `model-0000i-of-0000n.safetensors` and the HF index), with
+`config.json` and the tokenizer files recorded at save time. No GPU and no other input
+is needed. It needs a process of its own: torch.distributed must not be initialised yet
+(the CLI is such a process). Memory: the model once, in its dtype, plus one output file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,6 +23,8 @@ import torch
 
 from megarl.errors import InputError
 
+# HF's usual size of one safetensors file of a checkpoint.
+MAX_SHARD_BYTES = 5 * 10**9
 # Files a tokenizer (and generation defaults) may consist of; all that exist are copied.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -35,13 +39,14 @@ TOKENIZER_FILES = (
 )
 
 
-def _hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights in HF names (float32), resharded into a TP1/PP1 model."""
+def _write_hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str, out_dir: Path, max_shard_bytes: int) -> None:
+    """The checkpoint's weights resharded into a TP1/PP1 model, written as HF tensors one at a time."""
     from megarl.engines import cpu_compat
 
     cpu_compat.install()
-    from megarl.engines import checkpoint, gpt, hf_weights
+    from megarl.engines import checkpoint, gpt
     from megarl.engines.distributed import destroy_distributed, set_model_parallel
+    from megarl.models import hf_param_shapes, hf_sources
 
     with tempfile.TemporaryDirectory(prefix="megarl-export-") as rendezvous:
         # A file rendezvous needs no free port; world size 1 never talks to anyone.
@@ -50,22 +55,71 @@ def _hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str) -> dict[str,
         )
         try:
             set_model_parallel(tp=1, pp=1)
-            model = gpt.build_gpt(hf_config, params_dtype=params_dtype)
+            # Checkpoints do not depend on the layer spec, and the local one runs anywhere.
+            model = gpt.build_gpt(hf_config, params_dtype=params_dtype, transformer_impl="local")
             checkpoint.load_model_state(model, ckpt_dir)
-            return hf_weights.hf_state_dict(model)
+            weights = gpt.chunk_weights(model.chunks[0])  # TP1/PP1: local names are the full layout's
+            sources = hf_sources(model.arch, padded_vocab=model.padded_vocab)
+            writer = _ShardedWriter(out_dir, max_shard_bytes)
+            for name, shape in hf_param_shapes(model.arch).items():
+                tensor = torch.empty(shape, dtype=model.config.params_dtype)
+                for param, piece in sources[name]:
+                    tensor.narrow(piece.dim, piece.src_start, piece.length).copy_(
+                        weights[param].narrow(piece.dim, piece.dst_start, piece.length))
+                writer.add(name, tensor)
+            writer.close()
         finally:
             destroy_distributed()
 
 
-def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
+class _ShardedWriter:
+    """HF safetensors output in files of at most `max_bytes` (one tensor larger than that gets a file alone):
+    `model.safetensors` when one file suffices, else numbered files and `model.safetensors.index.json`."""
+
+    def __init__(self, out_dir: Path, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[list[str]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self.out_dir / f"part-{len(self.files)}.safetensors"), metadata={"format": "pt"})
+        self.files.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending:
+            self._flush()
+        count = len(self.files)
+        if count == 1:
+            os.replace(self.out_dir / "part-0.safetensors", self.out_dir / "model.safetensors")
+            return
+        weight_map, total = {}, 0
+        for index, names in enumerate(self.files):
+            final = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(self.out_dir / f"part-{index}.safetensors", self.out_dir / final)
+            weight_map.update({name: final for name in names})
+            total += (self.out_dir / final).stat().st_size
+        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2))
+
+
+def export_checkpoint(ckpt_dir: Path, out_dir: Path, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write an HF checkpoint of the megarl checkpoint `ckpt_dir` into `out_dir`; returns `out_dir`.
 
     InputError when `ckpt_dir` is not a complete megarl checkpoint or its recorded
     tokenizer dir is gone; RuntimeError when called in a process that already runs
     torch.distributed.
     """
-    from safetensors.torch import save_file
-
     from megarl.engines.checkpoint import read_checkpoint_info
 
     ckpt_dir, out_dir = Path(ckpt_dir).expanduser().resolve(), Path(out_dir).expanduser().resolve()
@@ -75,14 +129,8 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
         raise InputError(f"checkpoint {ckpt_dir}: tokenizer_path {info.tokenizer_path!r} does not exist")
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         raise RuntimeError("export_checkpoint needs its own process: torch.distributed is already initialised here")
-    dtype = getattr(torch, info.params_dtype)
-    weights = _hf_weights(ckpt_dir, info.hf_config, info.params_dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {name: tensor.to(dtype).contiguous() for name, tensor in weights.items()},
-        str(out_dir / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    _write_hf_weights(ckpt_dir, info.hf_config, info.params_dtype, out_dir, max_shard_bytes)
     # `dtype` is what transformers 5 reads, `torch_dtype` what older readers (SGLang) do.
     config = {**info.hf_config, "dtype": info.params_dtype, "torch_dtype": info.params_dtype}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -2,10 +2,14 @@
 
 `build_gpt` creates the chunks this (TP, PP, EP) rank holds (one per VPP chunk; the
 embedding only on the first chunk, the output layer only on the last; a rank's block
-of experts for MoE families) with megatron's local (non-TE) layer spec, its
-TransformerConfig and RoPE at the caller's position ids. The weights are left
-uninitialised: `hf_weights` loads HF weights into them, `checkpoint` a distributed
-checkpoint.
+of experts for MoE families) with megatron's Transformer Engine or local layer spec
+(`transformer_impl`: "auto" takes TE when it imports and CUDA is present), its
+TransformerConfig and RoPE at the caller's position ids. Both specs keep megarl's
+core attention (`attention.PackedDotProductAttention`): TE's fused attention would
+need the THD packed format and ignores the padding masks the engines pass. The
+weights are left uninitialised: `hf_weights` loads HF weights into them, `checkpoint`
+a distributed checkpoint. `chunk_weights` gives a chunk's weights under the
+local-spec names whatever the layer spec (`megarl.models.canonical_name`).
 """
 
 from __future__ import annotations
@@ -17,18 +21,20 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.engines.attention import PackedDotProductAttention
-from megarl.models.layout import padded_vocab_size
+from megarl.errors import InputError
+from megarl.models.layout import canonical_name, padded_vocab_size
 from megarl.models.sharding import stage_roles, tp_split_dim
 from megarl.models.spec import Arch, arch_from_hf
 
 Tensor = torch.Tensor
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 
 
 @dataclass
@@ -39,6 +45,7 @@ class GPTModelChunks:
     arch: Arch
     config: TransformerConfig
     padded_vocab: int
+    transformer_impl: str  # the resolved layer spec: "transformer_engine" or "local"
 
     @property
     def vocab_start(self) -> int:
@@ -56,6 +63,34 @@ def resolve_dtype(params_dtype: str | torch.dtype | None) -> torch.dtype:
     if params_dtype not in _DTYPES:
         raise ValueError(f"params_dtype={params_dtype!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[params_dtype]
+
+
+def transformer_engine_usable() -> bool:
+    """Whether megatron found transformer-engine (it imports TE's modules at import time) and CUDA is present."""
+    return gpt_layer_specs.HAVE_TE and torch.cuda.is_available()
+
+
+def resolve_transformer_impl(choice: str) -> str:
+    """"auto" -> "transformer_engine" when usable, else "local"; InputError for TE where it cannot run."""
+    if choice not in TRANSFORMER_IMPLS:
+        raise InputError(f"model.transformer_impl: {choice!r} is not one of {', '.join(TRANSFORMER_IMPLS)}")
+    if choice == "auto":
+        return "transformer_engine" if transformer_engine_usable() else "local"
+    if choice == "transformer_engine" and not transformer_engine_usable():
+        why = "no CUDA device" if gpt_layer_specs.HAVE_TE else "transformer_engine does not import"
+        raise InputError(f"model.transformer_impl: transformer_engine needs transformer-engine and CUDA ({why}); "
+                         "use auto or local")
+    return choice
+
+
+def chunk_weights(chunk: torch.nn.Module) -> dict[str, Tensor]:
+    """A chunk's weights by local-spec name (`canonical_name`), without megatron's / TE's `_extra_state` entries
+    (None in local layers, FP8 metadata tensors in TE layers)."""
+    return {
+        canonical_name(name): value
+        for name, value in chunk.state_dict().items()
+        if isinstance(value, Tensor) and not name.endswith("._extra_state")
+    }
 
 
 def transformer_config(arch: Arch, *, params_dtype: torch.dtype) -> TransformerConfig:
@@ -88,7 +123,9 @@ def transformer_config(arch: Arch, *, params_dtype: torch.dtype) -> TransformerC
         # Weights always come from an HF-layout state dict (loaded or seeded), so
         # megatron's own initialisation would be wasted work.
         perform_initialization=False,
-        use_cpu_initialization=True,
+        # On GPU the parameters are allocated on the device directly (CPU initialisation
+        # would build each TE layer's full master weight in host memory first).
+        use_cpu_initialization=not torch.cuda.is_available(),
         # Fused kernels need CUDA extensions; the causal softmax kernel would also
         # ignore our padding mask.
         gradient_accumulation_fusion=False,
@@ -180,14 +217,20 @@ def _remember_position_ids(rotary: PositionIdsRotary):
     return hook
 
 
-def _layer_spec(arch: Arch) -> ModuleSpec:
-    """Megatron's local layer spec with core attention that can run packed rows per sequence."""
-    spec = get_gpt_layer_local_spec(
-        num_experts=arch.num_experts or None,
-        moe_grouped_gemm=False,
-        qk_layernorm=arch.qk_layernorm,
-        normalization="RMSNorm",
-    )
+def _layer_spec(arch: Arch, transformer_impl: str) -> ModuleSpec:
+    """Megatron's TE or local layer spec with core attention that can run packed rows per sequence."""
+    if transformer_impl == "transformer_engine":
+        # TE reads the norm kind (RMSNorm) from the TransformerConfig.
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=arch.num_experts or None, moe_grouped_gemm=False, qk_layernorm=arch.qk_layernorm
+        )
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=arch.num_experts or None,
+            moe_grouped_gemm=False,
+            qk_layernorm=arch.qk_layernorm,
+            normalization="RMSNorm",
+        )
     attention = spec.submodules.self_attention
     submodules = dataclasses.replace(attention.submodules, core_attention=PackedDotProductAttention)
     self_attention = dataclasses.replace(attention, submodules=submodules)
@@ -212,7 +255,8 @@ class ValueHead(torch.nn.Module):
 
 
 def _build_chunk(
-    arch: Arch, config: TransformerConfig, padded_vocab: int, vpp_rank: int | None, value_head: bool = False
+    arch: Arch, config: TransformerConfig, spec: ModuleSpec, padded_vocab: int, vpp_rank: int | None,
+    value_head: bool,
 ) -> GPTModel:
     pp_rank, pp_size = (
         parallel_state.get_pipeline_model_parallel_rank(),
@@ -222,7 +266,7 @@ def _build_chunk(
     pre_process, post_process = stage_roles(pp_rank, pp_size, vpp_rank or 0, vpp_size)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(arch),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -241,7 +285,7 @@ def _build_chunk(
     # Megatron tags TP-split parameters only inside its weight initialisers, which we skip;
     # untagged, grad-norm and optimizer code would treat every shard as a TP replica.
     for name, param in model.named_parameters():
-        dim = tp_split_dim(name)
+        dim = tp_split_dim(canonical_name(name))
         if dim is None:
             continue
         if not hasattr(param, "tensor_model_parallel"):
@@ -260,14 +304,17 @@ def build_gpt(
     hf_config: dict,
     *,
     params_dtype: str | torch.dtype | None = None,
+    transformer_impl: str,
     make_vocab_size_divisible_by: int = 128,
     value_head: bool = False,
 ) -> GPTModelChunks:
     """This rank's GPT chunks for `hf_config` at the current parallel layout, weights uninitialised.
 
+    `transformer_impl`: "auto", "transformer_engine" or "local" (`resolve_transformer_impl`).
     `value_head=True` builds a value model: the last stage ends in a `ValueHead` ([b, s, 1]
     values) instead of the LM output layer, and embeddings are never tied.
     """
+    impl = resolve_transformer_impl(transformer_impl)
     arch = arch_from_hf(hf_config)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     config = transformer_config(arch, params_dtype=resolve_dtype(params_dtype))
@@ -276,5 +323,6 @@ def build_gpt(
     )
     vpp_size = config.virtual_pipeline_model_parallel_size
     vpp_ranks = list(range(vpp_size)) if vpp_size else [None]
-    chunks = [_build_chunk(arch, config, padded_vocab, v, value_head) for v in vpp_ranks]
-    return GPTModelChunks(chunks, arch, config, padded_vocab)
+    spec = _layer_spec(arch, impl)
+    chunks = [_build_chunk(arch, config, spec, padded_vocab, v, value_head) for v in vpp_ranks]
+    return GPTModelChunks(chunks, arch, config, padded_vocab, impl)

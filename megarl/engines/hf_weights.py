@@ -2,92 +2,118 @@
 
 `load_hf_weights` fills freshly built chunks from an HF safetensors dir, an in-memory
 HF state dict, or seeded random weights generated in HF layout (so a seed means the
-same model at every parallel layout). `hf_state_dict` is the inverse: every rank ends
-up with the full HF-named float32 CPU state dict (TP shards all-gathered, MoE experts
-all-gathered over EP, PP stages broadcast), which export and the reference model load use.
+same model at every parallel layout). Each parameter of each chunk is written in
+place from the HF slices that make this rank's shard (`megarl.models.megatron_pieces`):
+from a checkpoint dir, every rank reads only those slices (`hf_reader`: safetensors slice
+reads in bounded blocks), so no rank ever holds a full model, nor a full tensor it does
+not own.
+`hf_state_dict` is the inverse, for tests and small models: every rank ends up with
+the full HF-named float32 CPU state dict (TP shards all-gathered, MoE experts
+all-gathered over EP, PP stages broadcast).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
 
-from megarl.engines.gpt import GPTModelChunks
-from megarl.models.layout import hf_to_megatron, megatron_to_hf, random_hf_state_dict
+from megarl.engines.gpt import GPTModelChunks, chunk_weights
+from megarl.engines.hf_reader import CheckpointSlices, StateDictSlices
+from megarl.models.layout import (
+    fill_from_pieces,
+    hf_param_shapes,
+    megatron_param_shapes,
+    megatron_pieces,
+    megatron_to_hf,
+    random_hf_state_dict,
+    tp_split_dim,
+)
 from megarl.models.sharding import (
+    chunk_param_names,
     experts_per_rank,
     global_expert_name,
     is_expert,
     merge_shards,
     merge_tensor,
-    shard_for_rank,
-    tp_split_dim,
 )
+from megarl.models.spec import Arch
 
 Tensor = torch.Tensor
 _HEAD_PREFIX = "output_layer."
 
 
-def read_hf_checkpoint(path: str | Path) -> dict[str, Tensor]:
-    """All tensors of an HF safetensors checkpoint dir (`model.safetensors` or a sharded index)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
-    state: dict[str, Tensor] = {}
-    for name in files:
-        state.update(load_file(str(path / name)))
-    return state
+def check_source(shapes: Mapping[str, tuple[int, ...]], arch: Arch, *, backbone_only: bool, where: str) -> None:
+    """ValueError naming every HF tensor the model needs that `shapes` lacks or has in another shape."""
+    expected = hf_param_shapes(arch)
+    if backbone_only:
+        expected.pop("lm_head.weight", None)
+    problems = [f"{name}: missing" for name in expected if name not in shapes]
+    problems += [f"{name}: shape {shapes[name]} != {shape}" for name, shape in expected.items()
+                 if name in shapes and tuple(shapes[name]) != shape]
+    if problems:
+        raise ValueError(f"{where} does not match the model config: " + "; ".join(problems[:8]))
 
 
-def _tensor_state(chunk: GPTModel) -> dict[str, Tensor]:
-    # Megatron's state dict also carries `_extra_state` entries (None without TE).
-    return {name: value for name, value in chunk.state_dict().items() if isinstance(value, Tensor)}
+def load_into_chunks(
+    chunks: list[torch.nn.Module], arch: Arch, source, *, padded_vocab: int, backbone_only: bool,
+    tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1,
+) -> None:
+    """Write the shard of every parameter of the model chunks of rank (tp, pp, ep) from `source`'s slices
+    (an `hf_reader` source), in place; chunks may use either layer spec's names."""
+    full_shapes = megatron_param_shapes(arch, padded_vocab=padded_vocab)
+    chunk_names = chunk_param_names(
+        full_shapes, num_layers=arch.num_layers, tie_word_embeddings=arch.tie_word_embeddings, pp_rank=pp_rank,
+        pp_size=pp_size, vpp_size=len(chunks), ep_rank=ep_rank, ep_size=ep_size,
+    )
+    for chunk, names in zip(chunks, chunk_names):
+        target = chunk_weights(chunk)
+        if backbone_only:
+            target = {name: t for name, t in target.items() if not name.startswith(_HEAD_PREFIX)}
+            names = {name: full for name, full in names.items() if not name.startswith(_HEAD_PREFIX)}
+        if set(target) != set(names):
+            raise ValueError(
+                f"weights do not fit the model chunk: missing {sorted(set(target) - set(names))[:5]}, "
+                f"unexpected {sorted(set(names) - set(target))[:5]}"
+            )
+        for local, full in names.items():
+            shape = list(full_shapes[full])
+            dim = tp_split_dim(full)
+            if dim is not None:
+                shape[dim] //= tp_size
+            if tuple(target[local].shape) != tuple(shape):
+                raise ValueError(
+                    f"{local}: the model chunk holds {tuple(target[local].shape)}, expected {tuple(shape)}")
+            pieces = megatron_pieces(full, arch, padded_vocab=padded_vocab, tp_rank=tp_rank, tp_size=tp_size)
+            with torch.no_grad():
+                fill_from_pieces(target[local], pieces, source.copy_into)
 
 
-def load_hf_state_dict(model: GPTModelChunks, hf_sd: dict[str, Tensor], *, backbone_only: bool = False) -> None:
-    """Convert a full HF state dict to this rank's shards and copy it into the chunks.
+def _load(model: GPTModelChunks, source, *, backbone_only: bool, where: str) -> None:
+    check_source(source.shapes, model.arch, backbone_only=backbone_only, where=where)
+    ps = parallel_state
+    load_into_chunks(
+        model.chunks, model.arch, source, padded_vocab=model.padded_vocab, backbone_only=backbone_only,
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+    )
+
+
+def load_hf_state_dict(model: GPTModelChunks, hf_sd: Mapping[str, Tensor], *, backbone_only: bool = False) -> None:
+    """Copy this rank's shards of a full HF state dict into the chunks.
 
     `backbone_only=True` (a value model) leaves the chunks' `output_layer.*` (the value head)
     alone and ignores the LM head of `hf_sd`.
     """
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    full = hf_to_megatron(hf_sd, model.arch, padded_vocab=model.padded_vocab)
-    shards = shard_for_rank(
-        full,
-        num_layers=model.arch.num_layers,
-        tie_word_embeddings=model.arch.tie_word_embeddings,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        tp_size=tp_size,
-        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        vpp_size=len(model.chunks),
-        ep_rank=parallel_state.get_expert_model_parallel_rank(),
-        ep_size=parallel_state.get_expert_model_parallel_world_size(),
-    )
-    for chunk, shard in zip(model.chunks, shards):
-        target = _tensor_state(chunk)
-        if backbone_only:
-            target = {name: t for name, t in target.items() if not name.startswith(_HEAD_PREFIX)}
-            shard = {name: t for name, t in shard.items() if not name.startswith(_HEAD_PREFIX)}
-        if set(target) != set(shard):
-            raise ValueError(
-                f"weights do not fit the model chunk: missing {sorted(set(target) - set(shard))[:5]}, "
-                f"unexpected {sorted(set(shard) - set(target))[:5]}"
-            )
-        with torch.no_grad():
-            for name, tensor in shard.items():
-                target[name].copy_(tensor)
+    _load(model, StateDictSlices(hf_sd, model.arch), backbone_only=backbone_only, where="HF state dict")
+
+
+def load_hf_checkpoint(model: GPTModelChunks, path: str | Path, *, backbone_only: bool = False) -> None:
+    """Read this rank's slices of an HF safetensors checkpoint dir into the chunks (`backbone_only` as above)."""
+    _load(model, CheckpointSlices(path), backbone_only=backbone_only, where=f"HF checkpoint {path}")
 
 
 def _flatten(tensors: list[Tensor], device) -> Tensor:
@@ -103,7 +129,7 @@ def _unflatten(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
 
 def _tp_merged_chunks(model: GPTModelChunks, device: torch.device) -> dict[tuple[int, str], Tensor]:
     """{(vpp chunk, name): full-TP tensor} of this rank's chunks: one all-gather of the flattened shards."""
-    local = [(v, name, t) for v, chunk in enumerate(model.chunks) for name, t in sorted(_tensor_state(chunk).items())]
+    local = [(v, name, t) for v, chunk in enumerate(model.chunks) for name, t in sorted(chunk_weights(chunk).items())]
     shapes = [t.shape for _, _, t in local]
     flat = _flatten([t for _, _, t in local], device)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -185,12 +211,15 @@ def hf_state_dict(model: GPTModelChunks) -> dict[str, Tensor]:
     return megatron_to_hf(full, model.arch)
 
 
-def load_hf_weights(model: GPTModelChunks, weights: str | Path | dict[str, Tensor] | None, *, seed: int = 0) -> None:
-    """Fill `model` from an HF checkpoint dir, an HF state dict, or (None) random weights from `seed`."""
+def load_hf_weights(
+    model: GPTModelChunks, weights: str | Path | Mapping[str, Tensor] | None, *, seed: int = 0,
+    backbone_only: bool = False,
+) -> None:
+    """Fill `model` from an HF checkpoint dir (slice reads), an HF state dict, or (None) random weights from `seed`
+    (`backbone_only`: keep a value model's head)."""
     if weights is None:
-        hf_sd = random_hf_state_dict(model.arch, seed=seed)
-    elif isinstance(weights, dict):
-        hf_sd = weights
+        load_hf_state_dict(model, random_hf_state_dict(model.arch, seed=seed), backbone_only=backbone_only)
+    elif isinstance(weights, Mapping):
+        load_hf_state_dict(model, weights, backbone_only=backbone_only)
     else:
-        hf_sd = read_hf_checkpoint(weights)
-    load_hf_state_dict(model, hf_sd)
+        load_hf_checkpoint(model, weights, backbone_only=backbone_only)

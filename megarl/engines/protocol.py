@@ -35,7 +35,9 @@ class WeightShards:
     """This rank's weights as the weight sync reads them: Megatron-named tensors per model chunk.
 
     `shards[(chunk, name)]` is the local shard of parameter `name` of virtual-pipeline chunk
-    `chunk`; `arch` and `padded_vocab` let the resharding plan map them back to HF tensors.
+    `chunk`, named as in Megatron's local layer spec whichever spec built the model (Transformer
+    Engine's fused norm weights under `megarl.models.canonical_name`); `arch` and `padded_vocab`
+    let the resharding plan map them back to HF tensors.
     """
 
     shards: dict[tuple[int, str], Tensor]
@@ -74,6 +76,9 @@ class TrainEngine(Protocol):
 
     def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool) -> None:
         """Load a checkpoint saved at any layout; `load_optimizer=False` restores only the weights."""
+
+    def load_policy_checkpoint(self, ckpt_dir: str | Path) -> None:
+        """Replace the weights with a policy checkpoint's (any layout; a value model takes the backbone only)."""
 
     def reset_optimizer_state(self) -> None:
         """Forget the optimizer's moments (the LR schedule is kept)."""

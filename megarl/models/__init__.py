@@ -2,18 +2,26 @@
 
 `spec` says which HF families are supported (Llama, Qwen2, Qwen3, Qwen3-MoE) and their
 dimensions; `layout` converts state dicts between HF names and the full Megatron
-layout; `sharding` splits the full Megatron layout into per-rank TP/PP/VPP/EP shards
+layout (and says which HF slices make one TP rank's shard); `sharding` splits the full Megatron layout into per-rank TP/PP/VPP/EP shards
 and merges them back.
 """
 
 from megarl.models.layout import (
+    TE_FUSED_NORMS,
+    Piece,
+    canonical_name,
+    fill_from_pieces,
     hf_param_shapes,
+    hf_sources,
     hf_to_megatron,
+    megatron_param_shapes,
+    megatron_pieces,
     megatron_to_hf,
     padded_vocab_size,
     random_hf_state_dict,
 )
 from megarl.models.sharding import (
+    chunk_param_names,
     experts_per_rank,
     global_expert_name,
     global_layer_index,
@@ -26,16 +34,24 @@ from megarl.models.spec import MODEL_SPECS, Arch, ModelSpec, arch_from_hf, get_s
 
 __all__ = [
     "MODEL_SPECS",
+    "TE_FUSED_NORMS",
     "Arch",
     "ModelSpec",
+    "Piece",
     "arch_from_hf",
+    "canonical_name",
+    "chunk_param_names",
     "experts_per_rank",
+    "fill_from_pieces",
     "get_spec",
     "global_expert_name",
     "global_layer_index",
     "hf_param_shapes",
+    "hf_sources",
     "hf_to_megatron",
     "is_expert",
+    "megatron_param_shapes",
+    "megatron_pieces",
     "megatron_to_hf",
     "merge_shards",
     "padded_vocab_size",

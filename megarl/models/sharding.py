@@ -1,10 +1,12 @@
 """TP / PP / VPP / EP sharding of a full Megatron GPT state dict (pure functions, no megatron import).
 
-Which dim each parameter is split on across TP ranks, how the fused tensors split
+Which dim each parameter is split on across TP ranks (`tp_split_dim`, defined with the
+layout), how the fused tensors split
 (QKV is packed per query group, so whole groups go to a rank; fc1 = [gate; up] gives
 each rank [gate_r; up_r]), where a global layer lives (PP rank, VPP chunk, local
 index), which MoE experts an EP rank holds (a contiguous block, renumbered from 0;
-experts are never TP-split: the engines run expert-TP = 1), and `shard_for_rank` /
+experts are never TP-split: the engines run expert-TP = 1), which parameters a model
+chunk holds (`chunk_param_names`), and `shard_for_rank` /
 `merge_shards` between the full layout of `megarl.models.layout` and the state dicts
 the per-rank model chunks hold.
 """
@@ -16,28 +18,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from megarl.models.layout import EMBEDDING, FINAL_NORM, OUTPUT
+from megarl.models.layout import EMBEDDING, EXPERT_RE, FINAL_NORM, OUTPUT, tp_split_dim
 
 Tensor = torch.Tensor
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
-
-
-def tp_split_dim(name: str) -> int | None:
-    """The dim a Megatron parameter is split on across TP ranks (None: replicated).
-
-    Column-parallel (output dim 0): linear_qkv (weight and bias), linear_fc1, the word
-    embeddings and the output layer (vocab rows). Row-parallel (input dim 1):
-    linear_proj, linear_fc2. Norms (incl. the per-head q/k norms), the MoE router and
-    the experts (expert-TP = 1) are replicated.
-    """
-    if _EXPERT_RE.match(name):
-        return None
-    if name in (EMBEDDING, OUTPUT) or name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight")):
-        return 0
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return 1
-    return None
 
 
 def shard_tensor(name: str, full: Tensor, tp_rank: int, tp_size: int) -> Tensor:
@@ -95,12 +79,12 @@ def stage_roles(pp_rank: int, pp_size: int, vpp_rank: int = 0, vpp_size: int = 1
 
 def is_expert(name: str) -> bool:
     """Whether a Megatron parameter belongs to an MoE expert (`...mlp.experts.local_experts.{e}...`)."""
-    return _EXPERT_RE.match(name) is not None
+    return EXPERT_RE.match(name) is not None
 
 
 def experts_per_rank(names: Iterable[str], ep_size: int) -> int:
     """Experts each of `ep_size` EP ranks holds, from the expert indices in `names` (0: dense model)."""
-    experts = {int(m.group(2)) for m in map(_EXPERT_RE.match, names) if m}
+    experts = {int(m.group(2)) for m in map(EXPERT_RE.match, names) if m}
     if experts and len(experts) % ep_size:
         raise ValueError(f"{len(experts)} experts are not divisible by ep_size={ep_size}")
     return len(experts) // ep_size
@@ -109,7 +93,7 @@ def experts_per_rank(names: Iterable[str], ep_size: int) -> int:
 def _local_expert_name(name: str, ep_rank: int, per_rank: int) -> str | None:
     """The name on EP rank `ep_rank` of a (global-index) expert tensor, None if it lives elsewhere;
     other names unchanged."""
-    match = _EXPERT_RE.match(name)
+    match = EXPERT_RE.match(name)
     if match is None:
         return name
     expert = int(match.group(2))
@@ -120,10 +104,57 @@ def _local_expert_name(name: str, ep_rank: int, per_rank: int) -> str | None:
 
 def global_expert_name(name: str, ep_rank: int, per_rank: int) -> str:
     """Inverse of the EP renumbering: a local expert tensor name -> its global-index name."""
-    match = _EXPERT_RE.match(name)
+    match = EXPERT_RE.match(name)
     if match is None:
         return name
     return f"{match.group(1)}{ep_rank * per_rank + int(match.group(2))}.{match.group(3)}"
+
+
+def chunk_param_names(
+    full_names: Iterable[str],
+    *,
+    num_layers: int,
+    tie_word_embeddings: bool,
+    pp_rank: int,
+    pp_size: int,
+    vpp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> list[dict[str, str]]:
+    """Per VPP chunk of a (pp_rank, ep_rank) model: {local name: the full-layout parameter it is a shard of}.
+
+    Local names carry local layer (and expert) indices. With tied embeddings and PP > 1 the
+    last stage holds its own copy of the embedding as `output_layer.weight` (Megatron keeps
+    the two in sync by an all-reduce of grads).
+    """
+    full_names = list(full_names)
+    per_chunk = layers_per_chunk(num_layers, pp_size, vpp_size)
+    block = experts_per_rank(full_names, ep_size)
+    chunks = []
+    for vpp_rank in range(vpp_size):
+        first, last = stage_roles(pp_rank, pp_size, vpp_rank, vpp_size)
+        chunk: dict[str, str] = {}
+        if first:
+            chunk[EMBEDDING] = EMBEDDING
+        for local in range(per_chunk):
+            layer = global_layer_index(
+                local, num_layers=num_layers, pp_rank=pp_rank, pp_size=pp_size, vpp_rank=vpp_rank, vpp_size=vpp_size
+            )
+            prefix = f"decoder.layers.{layer}."
+            for name in full_names:
+                if not name.startswith(prefix):
+                    continue
+                local_name = _local_expert_name(f"decoder.layers.{local}.{name[len(prefix) :]}", ep_rank, block)
+                if local_name is not None:
+                    chunk[local_name] = name
+        if last:
+            chunk[FINAL_NORM] = FINAL_NORM
+            if not tie_word_embeddings:
+                chunk[OUTPUT] = OUTPUT
+            elif not first:
+                chunk[OUTPUT] = EMBEDDING
+        chunks.append(chunk)
+    return chunks
 
 
 def shard_for_rank(
@@ -140,38 +171,11 @@ def shard_for_rank(
     ep_size: int = 1,
 ) -> list[dict[str, Tensor]]:
     """The state dicts (one per VPP chunk) a (tp_rank, pp_rank, ep_rank) model holds, local layer
-    (and expert) names.
-
-    With tied embeddings and PP > 1 the last stage holds its own copy of the embedding
-    as `output_layer.weight` (Megatron keeps the two in sync by an all-reduce of grads).
-    """
-    per_chunk = layers_per_chunk(num_layers, pp_size, vpp_size)
-    block = experts_per_rank(full_sd, ep_size)
-    chunks = []
-    for vpp_rank in range(vpp_size):
-        first, last = stage_roles(pp_rank, pp_size, vpp_rank, vpp_size)
-        chunk: dict[str, Tensor] = {}
-        if first:
-            chunk[EMBEDDING] = shard_tensor(EMBEDDING, full_sd[EMBEDDING], tp_rank, tp_size)
-        for local in range(per_chunk):
-            layer = global_layer_index(
-                local, num_layers=num_layers, pp_rank=pp_rank, pp_size=pp_size, vpp_rank=vpp_rank, vpp_size=vpp_size
-            )
-            prefix = f"decoder.layers.{layer}."
-            for name, tensor in full_sd.items():
-                if not name.startswith(prefix):
-                    continue
-                local_name = _local_expert_name(f"decoder.layers.{local}.{name[len(prefix) :]}", ep_rank, block)
-                if local_name is not None:
-                    chunk[local_name] = shard_tensor(name, tensor, tp_rank, tp_size)
-        if last:
-            chunk[FINAL_NORM] = full_sd[FINAL_NORM].clone()
-            if not tie_word_embeddings:
-                chunk[OUTPUT] = shard_tensor(OUTPUT, full_sd[OUTPUT], tp_rank, tp_size)
-            elif not first:
-                chunk[OUTPUT] = shard_tensor(EMBEDDING, full_sd[EMBEDDING], tp_rank, tp_size)
-        chunks.append(chunk)
-    return chunks
+    (and expert) names (which parameters: `chunk_param_names`)."""
+    chunks = chunk_param_names(full_sd, num_layers=num_layers, tie_word_embeddings=tie_word_embeddings,
+                               pp_rank=pp_rank, pp_size=pp_size, vpp_size=vpp_size, ep_rank=ep_rank, ep_size=ep_size)
+    return [{local: shard_tensor(full, full_sd[full], tp_rank, tp_size) for local, full in names.items()}
+            for names in chunks]
 
 
 def merge_shards(

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One-command GPU check for a single NVIDIA GPU with nothing reachable from it.
+#
+#   bash benchmarks/gpu_check.sh [--wheels DIR] [--out FILE]
+#
+# Runs every test marked `gpu` (tests that need CUDA: the engine on CUDA against HF
+# transformers, Transformer Engine against local layers, offload/onload, CUDA IPC and
+# NCCL weight sync) plus the quick CPU tests that pin megatron-core's API (layer-spec
+# names, engine imports), then writes the results as JSON (default gpu_check.json)
+# and exits non-zero on any failure, or when CUDA is missing. It finishes in a few
+# minutes (pytest is stopped after 330 s).
+#
+# The machine needs Python 3.12 and torch with CUDA (its image has torch, transformers,
+# triton, safetensors and pytest). megatron-core and the small packages megarl imports
+# travel as wheels in DIR (default: ./gpu_wheels); build DIR where a package index is
+# reachable, with the same Python minor version as the GPU machine's:
+#
+#   bash benchmarks/gpu_check.sh --download gpu_wheels      # ~12 MB, no torch
+#
+# ray, sglang and transformer-engine cannot travel (too large): the tests that need
+# them are skipped, and the JSON and the summary say which and why (NCCL also needs
+# a second GPU: it refuses two ranks of one communicator on one GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=gpu_wheels
+OUT=gpu_check.json
+# Imported by megarl's engines, config and CPU engine, absent from a bare torch image.
+# megatron-core installs without its declared deps (torch, numpy, packaging: in the image).
+PACKAGES="pydantic pyyaml fastapi uvicorn aiohttp psutil"
+GPU_TESTS="tests/test_gpu_engine.py tests/test_gpu_weightsync.py tests/test_engine_offload.py"
+API_TESTS="tests/test_sharded_loading.py tests/test_engine_protocol.py"
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --wheels) WHEELS=$2; shift 2 ;;
+        --out) OUT=$2; shift 2 ;;
+        --download)
+            python3 -m pip download --dest "$2" --no-deps --only-binary=:all: megatron-core || exit 1
+            python3 -m pip download --dest "$2" --only-binary=:all: $PACKAGES || exit 1
+            echo "wheels for $(python3 -c 'import sys; print(sys.version.split()[0])') in $2: carry the dir along"
+            exit 0 ;;
+        *) echo "usage: $0 [--wheels DIR] [--out FILE] | --download DIR" >&2; exit 2 ;;
+    esac
+done
+
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_check: torch does not see a CUDA device" >&2
+    exit 1
+fi
+missing=$(python3 - <<'EOF'
+import importlib.util
+modules = {"megatron.core": "megatron-core", "pydantic": "pydantic", "yaml": "pyyaml", "fastapi": "fastapi",
+           "uvicorn": "uvicorn", "aiohttp": "aiohttp", "psutil": "psutil"}
+print(" ".join(p for m, p in modules.items() if importlib.util.find_spec(m.split(".")[0]) is None
+               or (m == "megatron.core" and importlib.util.find_spec(m) is None)))
+EOF
+)
+if [ -n "$missing" ]; then
+    if [ ! -d "$WHEELS" ]; then
+        echo "gpu_check: missing $missing and no wheel dir $WHEELS (see --download)" >&2
+        exit 1
+    fi
+    for package in $missing; do
+        flags=""
+        [ "$package" = megatron-core ] && flags="--no-deps"
+        python3 -m pip install --quiet --no-index --find-links "$WHEELS" $flags "$package" || exit 1
+    done
+fi
+
+export PYTHONPATH=$PWD OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+start=$(date +%s)
+timeout 330 python3 -m pytest $API_TESTS $GPU_TESTS -p no:cacheprovider -rA \
+    -m "gpu or not (dist or slow or e2e)" --junitxml="$work/junit.xml" | tee "$work/pytest.log"
+rc=${PIPESTATUS[0]}
+python3 - "$work/junit.xml" "$OUT" "$rc" "$(( $(date +%s) - start ))" <<'EOF'
+import importlib.util, json, platform, sys, warnings, xml.etree.ElementTree as ET
+warnings.simplefilter("ignore")  # megatron warns at import that TE and apex are missing
+import torch
+
+junit, out, rc, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+tests = []
+try:
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome, message = tag if tag != "failure" else "failed", node.get("message", "")
+        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "seconds": float(case.get("time", 0)), "message": message[:500]})
+except (OSError, ET.ParseError) as error:  # pytest killed by the timeout, or did not start
+    tests.append({"test": "pytest", "outcome": "error", "seconds": 0.0, "message": str(error)})
+counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "failed", "error", "skipped")}
+try:
+    import megatron.core
+    megatron_version = megatron.core.__version__
+except ImportError:
+    megatron_version = None
+report = {
+    "ok": rc == 0 and counts["failed"] == 0 and counts["error"] == 0 and counts["passed"] > 0,
+    "pytest_exit_code": rc, "seconds": seconds, "counts": counts,
+    "environment": {
+        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "megatron_core": megatron_version,
+        "importable": {name: importlib.util.find_spec(name) is not None
+                       for name in ("transformer_engine", "sglang", "ray")},
+    },
+    "tests": tests,
+}
+with open(out, "w") as handle:
+    json.dump(report, handle, indent=2)
+print(f"gpu_check: {counts} in {seconds} s -> {out}")
+for test in tests:
+    if test["outcome"] == "skipped":
+        print(f"  skipped {test['test']}: {test['message']}")
+sys.exit(0 if report["ok"] else 1)
+EOF
