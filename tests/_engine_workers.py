@@ -280,13 +280,13 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
         out[f"{label}_metrics"] = step(resumed)
         out[f"{label}_weights"] = resumed.hf_state_dict()
         out[f"{label}_grads"] = gathered_grads(resumed)
+    out.update(_followers_of(ckpt_dir, hf_config))  # at TP1PP1 too: every rank holds the critic's head
 
     set_model_parallel(tp=2, pp=2)  # back at the saved layout, the RNG streams come back too
     again = policy_engine(None, optim=optimizer(**train), seed=7, hf_config=hf_config)
     draws()  # as above
     again.load_checkpoint(ckpt_dir, load_optimizer=True)
     out["same_layout_rng"] = draws()
-    out.update(_followers_of(ckpt_dir, hf_config))
     return out
 
 
