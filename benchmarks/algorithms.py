@@ -13,7 +13,7 @@ float32, on `--threads` 2 threads), it times:
    (repeat, union, index, chunk, concat, balanced_permutation), each next to a
    plain per-sample loop doing the same job.
 
-    python benchmarks/algorithms.py --out results/          # 16384 x 4096 (~4.5 GiB peak, ~2 min)
+    python benchmarks/algorithms.py --out results/          # 16384 x 4096 (3.8 GB peak RSS, ~2 min)
     python benchmarks/algorithms.py --samples 1024 --tokens 512
 
 The loops over tokens (GAE, GRPO) would walk 67M tokens in Python at full
