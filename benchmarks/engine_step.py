@@ -8,20 +8,20 @@ GSM8K-like: prompts of 40-90 tokens, responses lognormal around 150 tokens clipp
 Fixed micro-batching computes every padded row; dynamic micro-batching packs the real
 tokens into rows of at most `--max-tokens`. The table gives real tokens/s, the share
 of computed token slots that were padding, the step time saved by packing, and peak
-RSS per rank, dated and with versions.
+RSS per rank; the report (printed, and with `--out DIR` written as
+DIR/engine_step.json and .md) has the date, machine, versions and settings.
 
-    python benchmarks/engine_step.py                      # ~2-4 min on 2 cores
+    python benchmarks/engine_step.py --out results/       # ~2-4 min on 2 cores
     python benchmarks/engine_step.py --rows 32 --steps 3 --hidden 256 --layers 8
+    python benchmarks/engine_step.py --layouts tp2 --rows 4 --steps 1 --hidden 64 --layers 2   # seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megarl.bench import Column, Report
 from megarl.ports import free_port
+
 LAYOUTS = {"tp1 (dp2)": dict(tp=1, pp=1), "tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2)}
 WORLD_SIZE = 2
 
@@ -156,7 +158,36 @@ def summarise(ranks: list[dict], mode: str) -> dict:
     }
 
 
-def main() -> None:
+def build_report(args: argparse.Namespace, measured: dict[str, list[dict]]) -> Report:
+    settings = {key: value for key, value in vars(args).items() if key != "out"}
+    report = Report.create(
+        "engine_step",
+        {**settings, "model": hf_config(args), "world_size": WORLD_SIZE, "omp_num_threads": 1},
+        extra_packages=("transformers",),
+    )
+    table = report.add_table(
+        "actor step per layout",
+        [Column("layout, mode"), Column("micro-batches"), Column("step", "s", ".2f"),
+         Column("fwd+bwd", "tokens/s", ".0f"), Column("fwd", "tokens/s", ".0f"), Column("padding", "", ".1%"),
+         Column("time saved by packing", "", ".0%")]
+        + [Column(f"peak RSS rank {rank}", "MiB", ".0f") for rank in range(WORLD_SIZE)],
+    )
+    for name, ranks in measured.items():
+        fixed = summarise(ranks, "fixed")
+        for mode in ("fixed", "packed"):
+            row = summarise(ranks, mode)
+            saved = 1 - row["step_s"] / fixed["step_s"] if mode == "packed" else None
+            table.add_row(f"{name}, {mode}", row["micro_batches"], row["step_s"], row["tokens_per_s"],
+                          row["fwd_tokens_per_s"], row["padding"], saved, *(r["peak_rss_mib"] for r in ranks))
+    report.notes.append(
+        f"{WORLD_SIZE} gloo ranks, OMP_NUM_THREADS=1 each; {args.rows} GSM8K-like rows per step; median of "
+        f"{args.steps} after a warm-up. Tokens/s count real tokens over the slowest rank's time; padding is the "
+        "share of computed token slots that were padding."
+    )
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=16, help="sequences per step (all DP ranks)")
     parser.add_argument("--steps", type=int, default=2, help="timed repetitions (median) after one warm-up")
@@ -167,40 +198,25 @@ def main() -> None:
                         help="layer spec (as model.transformer_impl in a recipe)")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per fixed micro-batch")
     parser.add_argument("--max-tokens", type=int, default=2048, help="token budget of a packed micro-batch")
-    args = parser.parse_args()
+    short_names = {name.split()[0]: name for name in LAYOUTS}  # "tp1" -> "tp1 (dp2)"
+    parser.add_argument("--layouts", default=",".join(short_names), help="comma-separated subset of the default")
+    parser.add_argument("--out", default=None, help="also write the report as OUT/engine_step.json and .md")
+    args = parser.parse_args(argv)
+    unknown = [word for word in args.layouts.split(",") if word not in short_names]
+    if unknown:
+        parser.error(f"--layouts: unknown {', '.join(unknown)}; known: {', '.join(short_names)}")
+    layouts = [short_names[word] for word in args.layouts.split(",")]
 
-    import megatron.core
-    import transformers
-
-    print(f"# megarl engine step benchmark, {datetime.datetime.now().isoformat(timespec='seconds')}")
-    print(
-        f"# python {platform.python_version()}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
-        f"transformers {transformers.__version__}, {platform.machine()} x{os.cpu_count()} cores, "
-        f"{WORLD_SIZE} gloo ranks, OMP_NUM_THREADS=1"
-    )
-    print(f"# model {json.dumps(hf_config(args))}")
-    print(
-        f"# batch: {args.rows} GSM8K-like rows, micro_batch_size={args.micro_batch_size}, "
-        f"max_tokens_per_microbatch={args.max_tokens}, median of {args.steps} after a warm-up"
-    )
-    header = (
-        f"{'layout':<10} {'mode':<7} {'mbs':>4} {'step s':>7} {'tok/s fwd+bwd':>14} {'tok/s fwd':>10} "
-        f"{'padding':>8} {'time saved':>11} {'peak RSS/rank MiB':>18}"
-    )
-    print(header)
-    print("-" * len(header))
-    for name, layout in LAYOUTS.items():
-        ranks = run_layout(layout, args)
-        fixed = summarise(ranks, "fixed")
-        rss = "/".join(f"{r['peak_rss_mib']:.0f}" for r in ranks)
-        for mode in ("fixed", "packed"):
-            row = summarise(ranks, mode)
-            saved = f"{1 - row['step_s'] / fixed['step_s']:>10.0%}" if mode == "packed" else f"{'':>10}"
-            print(
-                f"{name:<10} {mode:<7} {row['micro_batches']:>4} {row['step_s']:>7.2f} {row['tokens_per_s']:>14.0f} "
-                f"{row['fwd_tokens_per_s']:>10.0f} {row['padding']:>8.1%} {saved:>11} {rss:>18}"
-            )
-        sys.stdout.flush()
+    measured = {}
+    for name in layouts:
+        start = time.perf_counter()
+        measured[name] = run_layout(LAYOUTS[name], args)
+        print(f"{name}: measured in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    report = build_report(args, measured)
+    print(report.to_markdown())
+    if args.out:
+        for path in report.write(args.out):
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

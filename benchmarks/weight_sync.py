@@ -18,22 +18,22 @@ bucket in shared memory, the server copies it into its weights), overlapped
 bucket by bucket; "two copies at once" is what that costs with perfect overlap
 on this machine's memory bus, the least the transport can take here.
 
-    python benchmarks/weight_sync.py                                  # ~0.95B, ~12 GB peak
+The report is printed, and with `--out DIR` written as DIR/weight_sync.json and .md,
+with the date, machine, versions and settings.
+
+    python benchmarks/weight_sync.py --out results/                   # ~0.95B, ~12 GB peak
     python benchmarks/weight_sync.py --hidden 1024 --layers 12 --ffn 2816   # ~0.2B
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import struct
-import sys
 import tempfile
 import time
 import zlib
@@ -41,10 +41,11 @@ from pathlib import Path
 
 import torch
 
-from megarl.ports import free_port
+from megarl.bench import Column, Report
 from megarl.models import arch_from_hf, hf_param_shapes
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.server import start_cpu_engine
+from megarl.ports import free_port
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
 
 API_KEY = "bench"
@@ -179,7 +180,7 @@ def run_processes(target, args_per_rank: list[tuple], timeout_s: float) -> None:
         raise SystemExit(f"{target.__name__} processes exited with {codes}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
@@ -190,7 +191,10 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=5)
     parser.add_argument("--transports", default="tensor,distributed,disk")
     parser.add_argument("--workdir", default=None, help="scratch dir (default: a temp dir, removed at the end)")
-    args = parser.parse_args()
+    parser.add_argument("--layouts", default="tp2pp2,tp1", choices=["tp2pp2,tp1", "tp2pp2", "tp1"],
+                        help="trainer layouts: TP2 x PP2 with every transport, TP1 with the tensor transport")
+    parser.add_argument("--out", default=None, help="also write the report as OUT/weight_sync.json and .md")
+    args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     config = hf_config(args)
     arch = arch_from_hf(config)
@@ -211,7 +215,9 @@ def main() -> None:
                                   startup_timeout_s=900, dtype="auto")
         try:
             measured = {}
-            for layout, names in [(TrainerLayout(tp=TP, pp=PP), transports), (TrainerLayout(), ["tensor"])]:
+            # TP1 runs the tensor transport only: the same bytes without the TP assembly, for contrast.
+            runs = {"tp2pp2": (TrainerLayout(tp=TP, pp=PP), transports), "tp1": (TrainerLayout(), ["tensor"])}
+            for layout, names in (runs[name] for name in args.layouts.split(",")):
                 port, out = free_port(), workdir / "trainer.json"
                 run_processes(trainer_rank, [(rank, port, layout, config, server.url, names, args.syncs,
                                               args.bucket_mb, str(workdir / "disk"), str(out))
@@ -223,42 +229,51 @@ def main() -> None:
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    report(args, params=params, nbytes=plan.nbytes, buckets=len(plan.buckets), memcpy_s=memcpy_s,
-           two_copies_s=two_copies_s, gloo_s=gloo_s, results=measured)
+    report = build_report(args, params=params, nbytes=plan.nbytes, buckets=len(plan.buckets), memcpy_s=memcpy_s,
+                          two_copies_s=two_copies_s, gloo_s=gloo_s, results=measured)
+    print(report.to_markdown())
+    if args.out:
+        for path in report.write(args.out):
+            print(f"wrote {path}")
 
 
-def report(args, *, params: int, nbytes: int, buckets: int, memcpy_s: float, two_copies_s: float, gloo_s: float,
-           results: dict) -> None:
+def build_report(args, *, params: int, nbytes: int, buckets: int, memcpy_s: float, two_copies_s: float,
+                 gloo_s: float, results: dict) -> Report:
+    settings = {key: value for key, value in vars(args).items() if key not in ("out", "workdir")}
+    report = Report.create("weight_sync", {
+        **settings, "model": hf_config(args), "parameters": params, "bf16_bytes": nbytes, "buckets": buckets,
+        "trainer": f"TP{TP} x PP{PP}, {TP * PP} processes, gloo, OMP_NUM_THREADS=1",
+        "server": "1 megarl CPU engine, bf16, 1 thread",
+    })
     gb = nbytes / 1e9
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    print(f"# weight sync benchmark, {now}")
-    print(f"python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}, "
-          f"{os.cpu_count()} CPUs, OMP_NUM_THREADS=1 per process")
-    print(f"model: llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, ffn {args.ffn}, "
-          f"vocab {args.vocab}: {params / 1e9:.2f}B parameters, {gb:.2f} GB in bf16")
-    print(f"trainer: TP{TP} x PP{PP} (4 processes, gloo), {buckets} buckets of <= {args.bucket_mb:g} MiB; "
-          f"1 megarl CPU engine server (bf16, 1 thread); median of syncs 2..{args.syncs} per transport")
-    print()
-    print(f"| {'path':<38} | {'seconds':>7} | {'GB/s':>5} | {'vs bound':>9} | {'first sync':>10} |")
-    print(f"|{'-' * 40}|{'-' * 9}|{'-' * 7}|{'-' * 11}|{'-' * 12}|")
-    print(f"| {'memcpy (one copy, 1 thread)':<38} | {memcpy_s:7.2f} | {gb / memcpy_s:5.2f} | {'':>9} | {'':>10} |")
-    print(f"| {'two copies at once (2 processes)':<38} | {two_copies_s:7.2f} | {gb / two_copies_s:5.2f} | "
-          f"{two_copies_s / memcpy_s:4.1f}x mem | {'':>10} |")
-    print(f"| {'raw gloo broadcast (1 -> 1)':<38} | {gloo_s:7.2f} | {gb / gloo_s:5.2f} | {'':>9} | {'':>10} |")
-    bounds = {"tensor": ("memcpy", memcpy_s, 2.0), "distributed": ("gloo", gloo_s, 3.0), "disk": ("memcpy", memcpy_s, None)}
+    table = report.add_table("transports and bounds", [
+        Column("path"), Column("time", "s", ".2f"), Column("rate", "GB/s", ".2f"), Column("bound"),
+        Column("ratio to bound", "x", ".1f"), Column("target", "x", ".0f"), Column("first sync", "s", ".2f"),
+    ])
+    table.add_row("memcpy (one copy, 1 thread)", memcpy_s, gb / memcpy_s, None, None, None, None)
+    table.add_row("two copies at once (2 processes)", two_copies_s, gb / two_copies_s, "memcpy",
+                  two_copies_s / memcpy_s, None, None)
+    table.add_row("raw gloo broadcast (1 -> 1)", gloo_s, gb / gloo_s, None, None, None, None)
+    bounds = {"tensor": ("memcpy", memcpy_s, 2.0), "distributed": ("gloo", gloo_s, 3.0),
+              "disk": ("memcpy", memcpy_s, None)}
     verdicts = []
     for label, (name, times) in results.items():
         seconds = statistics.median(times[1:] or times)
         bound_name, bound_s, target = bounds[name]
         ratio = seconds / bound_s
-        print(f"| {name + ' transport, ' + label.split(', ')[1]:<38} | {seconds:7.2f} | {gb / seconds:5.2f} | "
-              f"{ratio:4.1f}x {bound_name[:3]:<3} | {times[0]:8.2f} s |")
-        if target is not None and label.endswith(f"TP{TP} x PP{PP}"):
+        layout = label.split(", ")[1]
+        on_target_layout = label.endswith(f"TP{TP} x PP{PP}")
+        table.add_row(f"{name} transport, {layout}", seconds, gb / seconds, bound_name, ratio,
+                      target if on_target_layout else None, times[0])
+        if target is not None and on_target_layout:
             verdicts.append(f"{name}: {ratio:.1f}x {bound_name} (target <= {target:g}x: "
                             f"{'met' if ratio <= target else 'missed'})")
-    print()
-    print("targets: " + "; ".join(verdicts))
-    sys.stdout.flush()
+    report.notes.append(f"{gb:.2f} GB of bf16 weights ({params / 1e9:.2f}B parameters) in {buckets} buckets of "
+                        f"<= {args.bucket_mb:g} MiB; each transport's time is the median of syncs 2..{args.syncs}, "
+                        "from opening the update session on the server to closing it.")
+    if verdicts:
+        report.notes.append("targets: " + "; ".join(verdicts))
+    return report
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from megarl.algorithms import _scan
 from megarl.algorithms.advantages import (
+    _gae_torch,
+    _returns_to_go_torch,
     estimate_advantages,
     estimator,
     gae,
@@ -143,6 +146,111 @@ def test_time_recursions_ignore_nan_in_padding():
 def test_gae_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="shapes"):
         gae(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), gamma=1.0, lam=1.0)
+
+
+# ---------------------------------------------------------------- compiled scan vs pure torch
+
+
+def returns_to_go_reference(rewards, mask, gamma):
+    """Per-sample, per-token G_t = r_t + gamma * G_next; masked positions carry G."""
+    out = []
+    for r_row, m_row in zip(rewards, mask):
+        running, row = 0.0, [0.0] * len(r_row)
+        for t in reversed(range(len(r_row))):
+            if m_row[t]:
+                running = r_row[t] + gamma * running
+            row[t] = running
+        out.append(row)
+    return out
+
+
+def holey_case(batch: int, length: int, seed: int, offset: float = 0.0):
+    """Random masks: trailing padding, random holes, one empty row and one single-token row; float64."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    mask = (torch.arange(length)[None] < lengths[:, None]) & (torch.rand(batch, length, generator=gen) > 0.3)
+    mask[0] = False
+    mask[1] = False
+    mask[1, length // 2] = True
+    rewards = torch.randn(batch, length, generator=gen, dtype=torch.float64) + offset
+    values = torch.randn(batch, length, generator=gen, dtype=torch.float64)
+    return rewards, values, mask
+
+
+def numba_missing(monkeypatch) -> None:
+    monkeypatch.setattr(_scan, "_kernels", lambda: None)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1000.0])  # 1000: |mean| >> std, where a naive sum of squares cancels
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.0)])
+def test_compiled_gae_matches_per_sample_loop(offset, gamma, lam):
+    # float64 in and out, so the only difference to the Python loop is summation order (~1e-13 here).
+    rewards, values, mask = holey_case(batch=9, length=23, seed=4, offset=offset)
+    assert _scan.available(rewards, values, mask), "numba is a dependency of megarl: the compiled scan must load"
+    advantages, returns = _scan.scan_whitened(rewards, values, mask, gamma=gamma, lam=lam, eps=1e-8)
+    ref_adv, ref_ret = gae_reference(rewards.tolist(), values.tolist(), mask.tolist(), gamma, lam)
+    torch.testing.assert_close(advantages, torch.tensor(ref_adv, dtype=torch.float64), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(returns[mask], torch.tensor(ref_ret, dtype=torch.float64)[mask], rtol=1e-10, atol=1e-10)
+
+
+def test_compiled_returns_to_go_matches_per_sample_loop():
+    rewards, _, mask = holey_case(batch=9, length=23, seed=6)
+    advantages, returns = _scan.scan_whitened(rewards, None, mask, gamma=0.8, lam=1.0, eps=1e-8)
+    expected = returns_to_go_reference(rewards.tolist(), mask.tolist(), 0.8)
+    torch.testing.assert_close(returns, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    whitened = whiten_reference(expected, mask.tolist(), 1e-8)
+    torch.testing.assert_close(advantages, torch.tensor(whitened, dtype=torch.float64), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_public_estimators_equal_with_and_without_numba(monkeypatch, dtype):
+    # The compiled scan accumulates in float64; the torch fallback in the input dtype. In float32 the
+    # fallback's rounding grows with the ~40-step recursion to a few 1e-6 of values of order 1-10.
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-5
+    rewards, values, mask = holey_case(batch=12, length=40, seed=7)
+    rewards, values = rewards.to(dtype), values.to(dtype)
+    compiled = [gae(rewards, values, mask, gamma=0.99, lam=0.95), reinforce_plus_plus(rewards, mask, gamma=0.97)]
+    numba_missing(monkeypatch)
+    assert not _scan.available(rewards)
+    fallback = [gae(rewards, values, mask, gamma=0.99, lam=0.95), reinforce_plus_plus(rewards, mask, gamma=0.97)]
+    for (adv_c, ret_c), (adv_f, ret_f) in zip(compiled, fallback):
+        assert adv_c.dtype == adv_f.dtype == dtype
+        torch.testing.assert_close(adv_c, adv_f, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(ret_c, ret_f, rtol=tolerance, atol=tolerance)  # masked positions too
+    # The private torch scans are the fallback's whole recursion: check them against the loops too.
+    raw = _gae_torch(rewards.double(), values.double(), mask, gamma=0.99, lam=0.95)
+    _, ref_ret = gae_reference(rewards.tolist(), values.tolist(), mask.tolist(), 0.99, 0.95)
+    ref_ret = torch.tensor(ref_ret, dtype=torch.float64)
+    torch.testing.assert_close((raw + values.double())[mask], ref_ret[mask], rtol=1e-10, atol=1e-10)
+    ref_g = returns_to_go_reference(rewards.tolist(), mask.tolist(), 0.97)
+    ref_g = torch.tensor(ref_g, dtype=torch.float64)
+    torch.testing.assert_close(_returns_to_go_torch(rewards.double(), mask, 0.97), ref_g)
+
+
+def test_compiled_scan_same_bits_on_any_thread_count(monkeypatch):
+    rewards, values, mask = holey_case(batch=11, length=17, seed=9)
+    monkeypatch.setattr(_scan, "_PARALLEL_MIN_ELEMENTS", 0)  # split even this small batch over threads
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = gae(rewards.float(), values.float(), mask, gamma=1.0, lam=0.95)
+        torch.set_num_threads(3)  # rows split 4/4/3 over three threads
+        split = gae(rewards.float(), values.float(), mask, gamma=1.0, lam=0.95)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(single[0], split[0]) and torch.equal(single[1], split[1])
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_whitened_scans_need_two_response_tokens(monkeypatch, compiled):
+    if not compiled:
+        numba_missing(monkeypatch)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[1, 2] = True
+    with pytest.raises(ValueError, match="masked_whiten needs at least 2 valid positions, mask has 1"):
+        gae(torch.ones(3, 4), torch.ones(3, 4), mask, gamma=1.0, lam=1.0)
+    with pytest.raises(ValueError, match="masked_whiten needs at least 2 valid positions, mask has 1"):
+        reinforce_plus_plus(torch.ones(3, 4), mask, gamma=1.0)
 
 
 # ---------------------------------------------------------------- GRPO
@@ -291,7 +399,7 @@ def test_an_estimator_with_an_unknown_input_is_refused_at_registration():
 def test_import_does_not_load_heavy_dependencies():
     code = (
         "import sys, megarl.algorithms\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', 'sglang'))\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', 'sglang', 'numba'))\n"
         "print(','.join(heavy))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megarl.algorithms import _scan
 from megarl.algorithms.masked import masked_whiten_
 from megarl.registry import ADVANTAGE_ESTIMATORS
 
@@ -79,6 +80,9 @@ def _check_same_shape(**tensors: torch.Tensor) -> None:
         raise ValueError(f"expected equal [B, R] shapes, got {shapes}")
 
 
+_WHITEN_EPS = 1e-8  # added to the variance when whitening GAE and REINFORCE++ advantages
+
+
 def group_ids(index: GroupIndex, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
     """Map each sample's group key to a dense id in [0, G); returns (ids [B] int64 on `device`, G).
 
@@ -123,14 +127,31 @@ def gae(
     """
     _check_same_shape(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
     dtype = _float_dtype(token_level_rewards, values)
+    rewards, values = token_level_rewards.to(dtype), values.to(dtype)
+    if _scan.available(rewards, values, response_mask):
+        return _scan.scan_whitened(rewards, values, response_mask, gamma=gamma, lam=lam, eps=_WHITEN_EPS)
+    advantages = _gae_torch(rewards, values, response_mask, gamma=gamma, lam=lam)
+    returns = advantages + values
+    return masked_whiten_(advantages, response_mask, eps=_WHITEN_EPS), returns
+
+
+def _gae_torch(
+    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """Pure-torch GAE scan (no numba, or not on the CPU): raw advantages [B, R], carried through masked positions.
+
+    rewards and values share one float dtype. One batch-wide step per token, so
+    its cost is R dispatches of [B] ops rather than one pass over memory.
+    """
     batch, length = values.shape
+    dtype = values.dtype
     # Time-major copies: each loop step reads one row of B contiguous floats
     # instead of B floats R apart. Padding is zeroed once up front, so the
     # loop can use cheap arithmetic (a where() per step costs 5x more).
     valid_t = response_mask.bool().t().contiguous()
     invalid_t = ~valid_t
-    values_t = values.to(dtype).t().contiguous().masked_fill_(invalid_t, 0.0)
-    work_t = token_level_rewards.to(dtype).t().contiguous().sub_(values_t).masked_fill_(invalid_t, 0.0)
+    values_t = values.t().contiguous().masked_fill_(invalid_t, 0.0)
+    work_t = rewards.t().contiguous().sub_(values_t).masked_fill_(invalid_t, 0.0)
 
     next_value = torch.zeros(batch, dtype=dtype, device=values.device)
     last_gae = torch.zeros(batch, dtype=dtype, device=values.device)
@@ -142,11 +163,7 @@ def gae(
         last_gae = work_t[t]
         next_value = torch.addcmul(values_t[t], masked, next_value)
     del values_t, valid_t, invalid_t
-
-    advantages = work_t.t().contiguous()
-    del work_t
-    returns = advantages + values.to(dtype)
-    return masked_whiten_(advantages, response_mask), returns
+    return work_t.t().contiguous()
 
 
 def _group_mean_std(scores: torch.Tensor, ids: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,20 +258,29 @@ def reinforce_plus_plus(
     tokens, 0 elsewhere.
     """
     _check_same_shape(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    dtype = _float_dtype(token_level_rewards)
-    batch, length = token_level_rewards.shape
+    rewards = token_level_rewards.to(_float_dtype(token_level_rewards))
+    if _scan.available(rewards, response_mask):
+        # GAE with V = 0 and lam = 1 is exactly this return-to-go.
+        return _scan.scan_whitened(rewards, None, response_mask, gamma=gamma, lam=1.0, eps=_WHITEN_EPS)
+    returns = _returns_to_go_torch(rewards, response_mask, gamma=gamma)
+    return masked_whiten_(returns.clone(), response_mask, eps=_WHITEN_EPS), returns
+
+
+def _returns_to_go_torch(rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Pure-torch return-to-go scan (no numba, or not on the CPU): G [B, R], carried through masked positions."""
+    batch, length = rewards.shape
+    dtype = rewards.dtype
     valid_t = response_mask.bool().t().contiguous()
     invalid_t = ~valid_t
     # Time-major, padding zeroed; row t holds r_t until it is overwritten with G_t.
-    returns_t = token_level_rewards.to(dtype).t().contiguous().masked_fill_(invalid_t, 0.0)
-    running = torch.zeros(batch, dtype=dtype, device=token_level_rewards.device)
+    returns_t = rewards.t().contiguous().masked_fill_(invalid_t, 0.0)
+    running = torch.zeros(batch, dtype=dtype, device=rewards.device)
     for t in reversed(range(length)):
         valid, masked = valid_t[t].to(dtype), invalid_t[t].to(dtype)
         carried = torch.addcmul(returns_t[t], masked, running)  # r_t + G at padding (r_t = 0 there)
         torch.addcmul(carried, valid, running, value=gamma, out=returns_t[t])
         running = returns_t[t]
-    returns = returns_t.t().contiguous()
-    return masked_whiten_(returns.clone(), response_mask), returns
+    return returns_t.t().contiguous()
 
 
 @estimator("reinforce_plus_plus_baseline")

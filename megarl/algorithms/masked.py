@@ -32,10 +32,15 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count
 
 
-def _valid_count(mask: torch.Tensor, needed: int, what: str) -> int:
-    count = int(masked_count(mask).item())
+def require_valid_positions(count: int, needed: int, what: str) -> None:
+    """ValueError naming `what` when fewer than `needed` positions are valid (a statistic is undefined)."""
     if count < needed:
         raise ValueError(f"{what} needs at least {needed} valid positions, mask has {count}")
+
+
+def _valid_count(mask: torch.Tensor, needed: int, what: str) -> int:
+    count = int(masked_count(mask).item())
+    require_valid_positions(count, needed, what)
     return count
 
 
