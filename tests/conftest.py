@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 
 import pytest
 
@@ -26,9 +25,9 @@ def ray_session():
     """A local Ray cluster shared by every test of the session."""
     import ray
 
-    from megarl.controller.ray_cluster import start_local_ray
+    from megarl.controller.ray_cluster import new_temp_dir, start_local_ray
 
-    tmp = tempfile.mkdtemp(prefix="megarl-ray-")
+    tmp = new_temp_dir()
     start_local_ray(temp_dir=tmp, num_cpus=4)
     yield ray
     ray.shutdown()

@@ -8,6 +8,7 @@ stopped by `ray.shutdown()` (by the PIDs it started), never by `ray stop`.
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Worker processes inherit these: loopback only, no usage reporting, one
 # OpenMP thread per rank (PLATFORM.md: without it step times swing 60x).
@@ -26,6 +27,17 @@ def _worker_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith(keep)}
     env.update({k: os.environ.get(k, v) for k, v in _RAY_ENV.items()})
     return env
+
+
+# Ray puts Unix sockets at <temp>/session_<date>_<time>_<pid>/sockets/plasma_store, and a
+# socket path may be at most 107 bytes: the temp dir itself must stay short.
+_MAX_TEMP_DIR_CHARS = 40
+
+
+def new_temp_dir() -> str:
+    """A fresh temp dir for a local Ray cluster: under $TMPDIR when that path is short enough, else under /tmp."""
+    base = tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="megarl-ray-", dir=base if len(base) <= _MAX_TEMP_DIR_CHARS - 20 else "/tmp")
 
 
 def start_local_ray(*, temp_dir: str, num_cpus: int | None = None, num_gpus: int | None = None) -> None:

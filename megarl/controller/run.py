@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import tempfile
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -35,7 +34,7 @@ from megarl.controller.memory import MemoryCycle
 from megarl.controller.placement import plan_pools, total_devices
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
-from megarl.controller.ray_cluster import connect_ray, start_local_ray
+from megarl.controller.ray_cluster import connect_ray, new_temp_dir, start_local_ray
 from megarl.controller.resume import resume_or_start
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
@@ -171,7 +170,7 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
         if ray_address:
             connect_ray(ray_address)
         elif not ray.is_initialized():
-            ray_dir = tempfile.mkdtemp(prefix="megarl-ray-")
+            ray_dir = new_temp_dir()
             cleanup.callback(shutil.rmtree, ray_dir, True)
             start_local_ray(temp_dir=ray_dir, num_cpus=8)
             cleanup.callback(ray.shutdown)

@@ -91,6 +91,7 @@ def cpu_engine_command(
     enable_weights_cpu_backup: bool = False,
     health_check_timeout_s: float | None = None,
     weight_update_group_timeout_s: float | None = None,
+    max_request_bytes: int | None = None,
 ) -> list[str]:
     """The argv that runs one CPU engine server."""
     command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
@@ -98,7 +99,8 @@ def cpu_engine_command(
     command += ["--log-level", log_level]
     optional = {"--api-key": api_key, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
                 "--seed": seed, "--dtype": dtype, "--health-check-timeout-s": health_check_timeout_s,
-                "--weight-update-group-timeout-s": weight_update_group_timeout_s}
+                "--weight-update-group-timeout-s": weight_update_group_timeout_s,
+                "--max-request-bytes": max_request_bytes}
     for flag, value in optional.items():
         if value is not None:
             command += [flag, str(value)]
@@ -138,6 +140,7 @@ def start_cpu_engine(
     enable_weights_cpu_backup: bool = False,
     health_check_timeout_s: float | None = None,
     weight_update_group_timeout_s: float | None = None,
+    max_request_bytes: int | None = None,
 ) -> ServerHandle:
     """Start one CPU engine server and wait until it is healthy."""
     port = port if port is not None else free_port(host)
@@ -150,7 +153,8 @@ def start_cpu_engine(
                                  seed=seed, log_level=log_level, dtype=dtype, enable_memory_saver=enable_memory_saver,
                                  enable_weights_cpu_backup=enable_weights_cpu_backup,
                                  health_check_timeout_s=health_check_timeout_s,
-                                 weight_update_group_timeout_s=weight_update_group_timeout_s)
+                                 weight_update_group_timeout_s=weight_update_group_timeout_s,
+                                 max_request_bytes=max_request_bytes)
     # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
     process_env = {**(env or {}), "OMP_NUM_THREADS": str(threads)}
     server = spawn_server(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key)

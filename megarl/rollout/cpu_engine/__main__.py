@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -11,6 +13,8 @@ import uvicorn
 from megarl.rollout.cpu_engine.engine import EngineArgs
 from megarl.rollout.cpu_engine.weights import DTYPES
 from megarl.rollout.cpu_engine.http_server import build_app
+
+logger = logging.getLogger("megarl.rollout.cpu_engine")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,12 +40,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how long /health waits for its one-token generation (SGLANG_HEALTH_CHECK_TIMEOUT)")
     parser.add_argument("--weight-update-group-timeout-s", type=float, default=600.0,
                         help="how long joining or receiving from a weight-update group may take")
+    parser.add_argument("--max-request-bytes", type=int, default=64 << 20,
+                        help="largest request body; a larger one gets 413 before it is read")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     args = parser.parse_args(argv)
-    if args.max_batch < 1 or args.threads < 1:
-        parser.error("--max-batch and --threads must be >= 1")
+    if args.max_batch < 1 or args.threads < 1 or args.max_request_bytes < 1:
+        parser.error("--max-batch, --threads and --max-request-bytes must be >= 1")
     if args.health_check_timeout_s <= 0 or args.weight_update_group_timeout_s <= 0:
         parser.error("--health-check-timeout-s and --weight-update-group-timeout-s must be > 0")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port: {args.port} is not a TCP port (0-65535)")
+    model = Path(args.model_path)
+    if not (model / "config.json").is_file():
+        parser.error(f"--model-path: {model} holds no config.json (not an HF model directory)")
     return args
 
 
@@ -49,8 +60,16 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_args(argv)
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = EngineArgs(**{key: value for key, value in vars(options).items() if key != "log_level"})
+    if args.api_key is None:
+        logger.warning("no --api-key: every endpoint, weight updates included, is open to any process that can "
+                       "reach %s:%d", args.host, args.port)
     torch.set_num_threads(args.threads)
-    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)
+    # A weight operation can still sit in a rendezvous thread (bounded by its timeout, but not interruptible):
+    # exit without joining it, so SIGTERM stops the server at once.
+    logging.shutdown()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ class EngineArgs:
     enable_weights_cpu_backup: bool = False
     health_check_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
     weight_update_group_timeout_s: float = 600.0
+    max_request_bytes: int = 64 << 20
 
 
 class CpuEngine:
@@ -251,6 +252,7 @@ class CpuEngine:
                 count = apply_named_tensors(self.model, named)
             except WeightUpdateError as error:
                 return False, f"update refused, no weight changed: {error}"
+            self.memory.updated()
             if weight_version is not None:
                 self.weight_version = weight_version
         if flush_cache and not self.flush_cache():

@@ -25,6 +25,10 @@ from megarl.rollout.cpu_engine.sequence import SamplingSettings, Sequence
 Decode = Callable[[list[int], bool], str]
 # Guards the server against a request that would allocate millions of sequences.
 MAX_SEQUENCES_PER_REQUEST = 16384
+# A token of a BPE vocabulary stands for far fewer characters than this: a text longer than
+# context * this cannot fit, and is refused before it is tokenized (a 12 MB text used to
+# stall the server while tokenizing).
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -40,7 +44,7 @@ class GenerateJob:
 def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, tokenizer: Any | None) -> GenerateJob:
     """Validate the body against the model and expand it into sequences; RequestError lists every problem."""
     problems: list[str] = []
-    prompts, is_batch = _prompts(body, tokenizer, problems)
+    prompts, is_batch = _prompts(body, tokenizer, problems, max_chars=context_length * MAX_CHARS_PER_TOKEN)
     if problems:
         raise RequestError(problems)
     count = len(prompts)
@@ -51,10 +55,16 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
         elif bad := [token for token in prompt if not 0 <= token < vocab_size]:
             problems.append(f"{where}: token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     params = _per_prompt("sampling_params", body.sampling_params, count, SamplingParamsBody(), problems)
+    for index, item in enumerate(params):
+        where = f"sampling_params[{index}]" if isinstance(body.sampling_params, list) else "sampling_params"
+        if bad := [token for token in item.stop_token_ids or () if not 0 <= token < vocab_size]:
+            problems.append(f"{where}.stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab_size})")
     rids = _request_ids(body.rid, count, is_batch, problems)
     return_logprob = _per_prompt("return_logprob", body.return_logprob, count, False, problems)
     start_lens = _per_prompt("logprob_start_len", body.logprob_start_len, count, -1, problems)
     top_nums = _per_prompt("top_logprobs_num", body.top_logprobs_num, count, 0, problems)
+    if any(number > vocab_size for number in top_nums):
+        problems.append(f"top_logprobs_num: at most the vocabulary size {vocab_size} (got {max(top_nums)})")
     total = sum(item.n or 1 for item in params)
     if total > MAX_SEQUENCES_PER_REQUEST:
         problems.append(f"sampling_params.n: {total} sequences in one request (most: {MAX_SEQUENCES_PER_REQUEST})")
@@ -127,7 +137,8 @@ def output_dict(
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
 
-def _prompts(body: GenerateBody, tokenizer: Any | None, problems: list[str]) -> tuple[list[list[int]], bool]:
+def _prompts(body: GenerateBody, tokenizer: Any | None, problems: list[str], *,
+             max_chars: int) -> tuple[list[list[int]], bool]:
     if body.text is not None and body.input_ids is not None:
         problems.append("text: give either text or input_ids, not both")
         return [], False
@@ -142,6 +153,11 @@ def _prompts(body: GenerateBody, tokenizer: Any | None, problems: list[str]) -> 
             problems.append("text: this server has no tokenizer (start it with --tokenizer-path); send input_ids")
             return [], False
         texts = body.text if isinstance(body.text, list) else [body.text]
+        long = [index for index, text in enumerate(texts) if len(text) > max_chars]
+        if long:
+            problems.append(f"text: {len(texts[long[0]])} characters cannot fit the model context length "
+                            f"(at most {max_chars} characters; text {long[0]})")
+            return [], False
         return [tokenizer(text)["input_ids"] for text in texts], isinstance(body.text, list)
     problems.append("input_ids: required (or text)")
     return [], False

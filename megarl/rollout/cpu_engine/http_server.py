@@ -96,7 +96,13 @@ def build_app(args: EngineArgs) -> FastAPI:
 
         `update`: a weight update, which (unless generation is paused) waits for the model-update gate;
         SGLang takes that lock for updates only, not for group joins or memory release."""
-        async with weight_ops:
+        try:
+            # Bounded: a weight operation stuck in a rendezvous must not queue the others for ever.
+            await asyncio.wait_for(weight_ops.acquire(), args.weight_update_group_timeout_s)
+        except asyncio.TimeoutError:
+            return _result(False, f"another weight operation has held the server for "
+                                  f"{args.weight_update_group_timeout_s:.0f} s; try again later", status=503)
+        try:
             exclusive = gate.exclusive() if update and not engine().scheduler.paused else nullcontext()
             async with exclusive:
                 engine().weight_op_in_progress = action.__name__
@@ -106,6 +112,8 @@ def build_app(args: EngineArgs) -> FastAPI:
                     return _die(str(error))
                 finally:
                     engine().weight_op_in_progress = None
+        finally:
+            weight_ops.release()
         return _result(success, message)
 
     @app.api_route("/health", methods=["GET"])
@@ -147,23 +155,26 @@ def build_app(args: EngineArgs) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        refused = engine().memory.refusal("generate")
+        refused = engine().memory.generation_refusal()
         if refused:
             return JSONResponse({"error": {"message": refused}}, status_code=400)
         try:
-            body = parse_body(GenerateBody, await _json(request))
-            job = build_job(
+            body = parse_body(GenerateBody, await _json(request, args.max_request_bytes))
+            # Tokenizing a text is real work: off the event loop, so /health and the control calls stay live.
+            job = await asyncio.to_thread(
+                build_job,
                 body,
                 vocab_size=engine().vocab_size,
                 context_length=engine().context_length,
                 tokenizer=engine().tokenizer,
             )
         except RequestError as error:
-            return JSONResponse({"error": {"message": "; ".join(error.problems)}}, status_code=400)
+            return JSONResponse({"error": {"message": "; ".join(error.problems)}}, status_code=error.status)
         if job.stream:
             return StreamingResponse(_stream(engine(), job, gate), media_type="text/event-stream")
         async with gate.shared():
-            await _run(engine(), job.seqs)
+            if not await _run(engine(), job.seqs, disconnected=request.is_disconnected):
+                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
         outputs = [_output(engine(), job, seq) for seq in job.seqs]
         return JSONResponse(outputs if job.returns_list else outputs[0])
 
@@ -173,9 +184,9 @@ def build_app(args: EngineArgs) -> FastAPI:
         def register(handler):
             async def endpoint(request: Request) -> Response:
                 try:
-                    body = parse_body(model, await _json(request))
+                    body = parse_body(model, await _json(request, args.max_request_bytes))
                 except RequestError as error:
-                    return _result(False, "; ".join(error.problems))
+                    return _result(False, "; ".join(error.problems), status=error.status)
                 return await handler(body)
 
             app.add_api_route(path, endpoint, methods=["POST"])
@@ -361,18 +372,31 @@ class _Guard:
         await self._app(scope, receive, send)
 
 
-async def _json(request: Request) -> Any:
-    raw = await request.body()
+async def _json(request: Request, limit: int) -> Any:
+    """The decoded body, read no further than `limit` bytes (413 beyond it, before it is parsed)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError([f"body: {declared} bytes, more than the server's limit of {limit}"], status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError([f"body: more than the server's limit of {limit} bytes"], status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw.strip():
         return {}
     try:
         return json.loads(raw)
     except ValueError as error:
         raise RequestError([f"body: invalid JSON: {error}"]) from None
+    except RecursionError:
+        raise RequestError(["body: JSON nested too deeply"]) from None
 
 
-def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+def _result(success: bool, message: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra},
+                        status_code=status or (200 if success else 400))
 
 
 def _output(engine: CpuEngine, job: GenerateJob, seq: Sequence, upto: int | None = None) -> dict:
@@ -386,19 +410,33 @@ def _output(engine: CpuEngine, job: GenerateJob, seq: Sequence, upto: int | None
     )
 
 
-async def _run(engine: CpuEngine, seqs: list[Sequence]) -> None:
-    """Submit sequences and wait until all have finished (aborting them if the caller goes away)."""
+DISCONNECT_POLL_S = 0.5
+
+
+async def _run(engine: CpuEngine, seqs: list[Sequence], *,
+               disconnected: Callable[[], Any] | None = None) -> bool:
+    """Submit sequences and wait until all have finished (True); abort them if the caller goes away (False, or
+    cancelled): a non-streaming client that hung up is noticed only by asking `disconnected()`."""
     loop = asyncio.get_running_loop()
     futures = [loop.create_future() for _ in seqs]
     for seq, future in zip(seqs, futures):
         seq.on_finish = _finisher(engine, loop, future)
     engine.scheduler.submit(seqs)
+    finished = asyncio.gather(*futures)
     try:
-        await asyncio.gather(*futures)
+        while not (await asyncio.wait([finished], timeout=DISCONNECT_POLL_S))[0]:
+            if disconnected is not None and await disconnected():
+                _abort(engine, seqs)
+                return False
+        return True
     except asyncio.CancelledError:
-        for seq in seqs:
-            engine.scheduler.abort(seq.rid, message="client disconnected")
+        _abort(engine, seqs)
         raise
+
+
+def _abort(engine: CpuEngine, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        engine.scheduler.abort(seq.rid, message="client disconnected")
 
 
 def _finisher(engine: CpuEngine, loop: asyncio.AbstractEventLoop, future: asyncio.Future):

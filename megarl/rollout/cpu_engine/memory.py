@@ -13,6 +13,8 @@ so a colocated trainer can use it, and maps it back on resume. Here:
 - `cuda_graph`: accepted; there are no graphs on CPU.
 While any tag is released the engine refuses to generate; while `weights` is, also to
 load or read weights (a trainer resumes `weights`, pushes, then resumes `kv_cache`).
+Weights resumed undefined (NaN) stay refused for generation until updates have
+given every one of them a finite value: their log-probs would be NaN otherwise.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class MemorySaver:
         self.cpu_backup = cpu_backup
         self.released: set[str] = set()
         self._dropped: list[_Dropped] = []
+        self._undefined: list[torch.nn.Parameter] = []  # resumed without a backup, not yet written
 
     @staticmethod
     def tags_of(tags: list[str] | None) -> list[str]:
@@ -69,8 +72,21 @@ class MemorySaver:
                         dropped.param.data = dropped.backup
                     else:
                         dropped.param.data = torch.full(dropped.shape, float("nan"), dtype=dropped.dtype)
+                        self._undefined.append(dropped.param)
             self._dropped = []
         self.released.difference_update(tags)
+
+    def updated(self) -> None:
+        """After a weight update: forget the undefined parameters it gave finite values."""
+        with torch.no_grad():
+            self._undefined = [param for param in self._undefined if not torch.isfinite(param).all()]
+
+    def generation_refusal(self) -> str | None:
+        """Why the engine cannot generate now (memory released, or weights still undefined); None when it can."""
+        if self._undefined:
+            return (f"cannot generate: {len(self._undefined)} weight tensors are undefined since "
+                    f"/resume_memory_occupation without --enable-weights-cpu-backup; push weights first")
+        return self.refusal("generate")
 
     def refusal(self, action: str, *, needs: tuple[str, ...] = TAGS) -> str | None:
         """Why `action`, which needs the memory of `needs`, cannot run now; None when it can."""

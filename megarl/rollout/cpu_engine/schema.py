@@ -16,10 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 
 class RequestError(ValueError):
-    """A bad request; `problems` holds one line per problem, each starting with the field path."""
+    """A bad request (HTTP `status`, 400 unless said); `problems` holds one line per problem, each starting with
+    the field path."""
 
-    def __init__(self, problems: list[str]):
+    def __init__(self, problems: list[str], *, status: int = 400):
         self.problems = problems
+        self.status = status
         super().__init__("; ".join(problems))
 
 
@@ -243,12 +245,34 @@ class AbortRequestBody(_Strict):
     abort_message: str | None = None
 
 
+MAX_DEPTH = 32  # SGLang's bodies nest three levels deep; anything much deeper is not a request
+INT64 = (-(2**63), 2**63)  # what every integer field ends up in (torch, numpy, seeds)
+
+
+def _shape_problems(value: Any, path: str, depth: int = 0) -> list[str]:
+    """Nesting past MAX_DEPTH and integers outside 64 bits, found before any field is read."""
+    if depth > MAX_DEPTH:
+        return [f"{path or 'body'}: nested deeper than {MAX_DEPTH} levels"]
+    if isinstance(value, dict):
+        return [line for key, item in value.items() for line in _shape_problems(item, f"{path}.{key}".lstrip("."),
+                                                                                 depth + 1)]
+    if isinstance(value, list):
+        return [line for index, item in enumerate(value) for line in _shape_problems(item, f"{path}[{index}]",
+                                                                                      depth + 1)]
+    if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value < INT64[1]:
+        return [f"{path}: integer outside the 64-bit range (got {value!r:.40})"]
+    return []
+
+
 def parse_body(model: type[_Strict], payload: Any) -> Any:
     """Validate a decoded JSON body; raise RequestError naming each bad field."""
     if payload is None:
         payload = {}
     if not isinstance(payload, dict):
         raise RequestError([f"body: expected a JSON object, got {type(payload).__name__}"])
+    problems = _shape_problems(payload, "")
+    if problems:
+        raise RequestError(problems[:10])
     try:
         return model.model_validate(payload)
     except ValidationError as error:

@@ -114,6 +114,9 @@ def check_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> 
             problems.append(f"{name}: shape {tuple(tensor.shape)} != model shape {tuple(targets[name].shape)}")
         elif tensor.dtype != targets[name].dtype and not widens_exactly(tensor.dtype, targets[name].dtype):
             problems.append(f"{name}: dtype {tensor.dtype} != model dtype {targets[name].dtype}")
+        elif tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            # A diverged trainer's weights: loaded, every log-prob would be NaN and sampling would fail.
+            problems.append(f"{name}: holds NaN or infinite values")
     return problems
 
 
