@@ -19,7 +19,8 @@ def _temporary(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (the directory itself flushed)."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -40,7 +41,7 @@ def write_text(path: str | Path, text: str) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 @contextmanager
@@ -63,7 +64,7 @@ def new_directory(path: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_files(writers: Mapping[Path, Callable[[Path], object]]) -> None:
@@ -85,4 +86,4 @@ def write_files(writers: Mapping[Path, Callable[[Path], object]]) -> None:
             temporary.unlink(missing_ok=True)
         raise
     for directory in {path.parent for path in temporaries}:
-        _fsync_dir(directory)
+        fsync_dir(directory)

@@ -14,25 +14,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
 from _engine_spawn import run_spawned
+from _settings import FULL_PPO_LOSS
+from _tiny import padded_sequences, tiny_model
 from _engine_workers import checkpoint_outputs, matrix_outputs
 
-TINY = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.1,
-    attn_implementation="eager",
-)
-MATRIX_MODELS = {  # the first one also runs a PPO update per layout
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, rope_theta=5000.0)),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=16)),
+# The families and their overrides of tests/_tiny.py's sizes; the first one also runs a PPO update per layout.
+MATRIX_MODELS = {
+    "qwen2": dict(num_hidden_layers=4, attn_implementation="eager"),
+    "llama": dict(num_hidden_layers=4, attn_implementation="eager", rope_theta=5000.0),
+    "qwen3": dict(num_hidden_layers=4, attn_implementation="eager"),
 }
 # All layouts run in one 4-process job (the layout is switched in place): DP fills the rest.
 WORLD_SIZE = 4
@@ -44,17 +35,7 @@ LAYOUTS = {
     "pp2vpp2": dict(tp=1, pp=2, vpp=2),
 }
 PROMPT, RESPONSE, MATRIX_ROWS = 6, 7, 8
-MATRIX_PPO = dict(
-    clip_ratio_low=0.2,
-    clip_ratio_high=0.28,
-    clip_ratio_c=3.0,
-    loss_agg_mode="token-mean",
-    entropy_coeff=0.01,
-    use_kl_loss=True,
-    kl_loss_coef=0.1,
-    kl_loss_type="low_var_kl",
-    temperature=0.8,
-)
+MATRIX_PPO = {**FULL_PPO_LOSS, "temperature": 0.8}
 
 
 def _matrix_batch() -> dict:
@@ -90,9 +71,8 @@ def matrix_job() -> dict:
     root = Path(tempfile.mkdtemp(prefix="megarl-matrix-test-"))
     atexit.register(shutil.rmtree, root, True)
     models, checkpoints = {}, {}
-    for name, (config_cls, model_cls, extra) in MATRIX_MODELS.items():
-        torch.manual_seed(len(name))
-        model = model_cls(config_cls(**TINY, **extra)).eval()
+    for name, overrides in MATRIX_MODELS.items():
+        model = tiny_model(name, seed=len(name), **overrides)
         with torch.no_grad():
             for param_name, param in model.named_parameters():
                 if "norm" in param_name or param_name.endswith("bias"):
@@ -120,16 +100,8 @@ CKPT_TRAIN = dict(lr=1e-2, warmup_steps=4, clip_grad=1.0, weight_decay=0.01)
 
 def _checkpoint_batch() -> dict:
     gen = torch.Generator().manual_seed(4)
-    input_ids = torch.randint(0, 200, (CKPT_ROWS, CKPT_PROMPT + CKPT_RESPONSE), generator=gen)
-    mask = torch.ones_like(input_ids)
-    for row, (left_pad, length) in enumerate([(0, 6), (2, 1), (4, 3), (1, 6), (0, 2), (3, 5), (2, 4), (1, 1)]):
-        mask[row, :left_pad] = 0
-        mask[row, CKPT_PROMPT + length :] = 0
     return {
-        "input_ids": input_ids,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-        "response_mask": mask[:, CKPT_PROMPT:].clone(),
+        **padded_sequences(gen, rows=CKPT_ROWS, prompt=CKPT_PROMPT, response=CKPT_RESPONSE, vocab=200),
         "old_log_probs": -5.3 + 0.3 * torch.randn(CKPT_ROWS, CKPT_RESPONSE, generator=gen),
         "advantages": torch.randn(CKPT_ROWS, CKPT_RESPONSE, generator=gen),
     }
@@ -142,18 +114,7 @@ def checkpoint_job() -> dict:
 
     root = Path(tempfile.mkdtemp(prefix="megarl-ckpt-test-"))
     atexit.register(shutil.rmtree, root, True)
-    config = Qwen2Config(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-    )
-    torch.manual_seed(8)
-    Qwen2ForCausalLM(config).save_pretrained(root / "hf")
+    tiny_model("qwen2", seed=8, vocab_size=200, num_hidden_layers=4).save_pretrained(root / "hf")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copyfile(builtin_tokenizer_dir() / name, root / "hf" / name)
     batch = _checkpoint_batch()

@@ -1,9 +1,11 @@
-"""Run an engine check in fresh spawned gloo processes and bring its result back to pytest.
+"""Run a multi-rank check in fresh spawned processes and bring its result back to pytest.
 
 Megatron needs the CPU compatibility layer and process-global parallel state, so the
 engine tests keep it out of the pytest process: `run_spawned(target, ...)` starts one
-process per rank, each initialises torch.distributed + megatron, calls
-`target(rank=..., **kwargs)` and saves its return value; the test asserts on it.
+process per rank, each initialises torch.distributed + megatron at `layout`, calls
+`target(rank=..., **kwargs)` and saves its return value; the test asserts on it. With
+`layout=None` the target sets up its own process groups and gets `world_size` and the
+rendezvous `port` too (the weight-sync ranks).
 """
 
 from __future__ import annotations
@@ -19,24 +21,30 @@ import torch.multiprocessing as mp
 
 from megarl.ports import free_port
 
-def _entry(target, rank: int, world_size: int, port: int, layout: dict, kwargs: dict, out_dir: str) -> None:
+def _entry(target, rank: int, world_size: int, port: int, layout: dict | None, kwargs: dict, out_dir: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        from megarl.engines.distributed import destroy_distributed, init_distributed
+        if layout is None:
+            result = target(rank=rank, world_size=world_size, port=port, **kwargs)
+        else:
+            from megarl.engines.distributed import destroy_distributed, init_distributed
 
-        init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, **layout)
-        result = target(rank=rank, **kwargs)
+            init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, **layout)
+            result = target(rank=rank, **kwargs)
+            destroy_distributed()
         torch.save(result, Path(out_dir) / f"result{rank}.pt")
-        destroy_distributed()
     except BaseException:
         (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
         raise
 
 
-def run_spawned(target, *, world_size: int = 1, layout: dict | None = None, timeout_s: float = 300, **kwargs) -> list:
+MEGATRON_TP1PP1 = {"tp": 1, "pp": 1}
+
+
+def run_spawned(target, *, world_size: int = 1, layout: dict | None = MEGATRON_TP1PP1, timeout_s: float = 300,
+                **kwargs) -> list:
     """`target`'s return value on each rank (rank order). Raises with the child's traceback on failure."""
-    layout = layout or {"tp": 1, "pp": 1}
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="megarl-engine-test-") as out_dir:

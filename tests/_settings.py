@@ -12,6 +12,9 @@ from megarl.config.settings import (
 )
 
 WHOLE_SHARD = 1 << 30  # a mini-batch size no test reaches: one optimizer step per update call
+# A PPO loss with every term on (asymmetric clip, dual clip, entropy bonus, KL loss): what the engine tests check.
+FULL_PPO_LOSS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+                     entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
 
 
 def optimizer(*, lr: float = 0.0, clip_grad: float = 0.0, weight_decay: float = 0.0, warmup_steps: int = 0,

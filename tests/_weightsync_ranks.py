@@ -1,24 +1,16 @@
-"""Trainer-side helpers for the weight-sync tests, and the spawned trainer ranks.
+"""Trainer-side helpers for the weight-sync tests, and the spawned trainer ranks (run by
+`_engine_spawn.run_spawned(..., layout=None)`: each sets up its own groups).
 
 Kept free of pytest and transformers: every spawned rank re-imports this module,
 and on two shared cores four ranks importing transformers took ~40 s.
-`spawn_ranks` waits by polling exit codes, not `join()`: a tensor-transport
-sender starts torch's shared-memory manager (file_system sharing), which inherits
-the child's end of `join()`'s sentinel pipe and keeps it open after the child exited.
 """
 
 from __future__ import annotations
-
-import os
-import time
-import traceback
-from pathlib import Path
 
 import torch
 
 from _engine_workers import policy_engine
 from megarl.config.settings import WeightSyncSettings
-from megarl.ports import free_port
 from megarl.models import arch_from_hf, hf_param_shapes, hf_to_megatron, shard_for_rank
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.weight_wire import tensor_digest
@@ -57,40 +49,6 @@ def reference_digests(hf) -> dict[str, str]:
     return {name: tensor_digest(tensor) for name, tensor in hf.items()}
 
 
-def spawn_ranks(target, *, world_size: int, out_dir: Path, timeout_s: float, **kwargs) -> list:
-    """Run `target(rank=, world_size=, port=, out_dir=, **kwargs)` in `world_size` spawned processes; their results."""
-    port = free_port()
-    ctx = torch.multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_run_rank, args=(target, rank, world_size, port, str(out_dir), kwargs))
-             for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout_s
-    while any(proc.exitcode is None for proc in procs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for proc in procs:  # only our own children, by handle
-        if proc.exitcode is None:
-            proc.kill()
-            while proc.exitcode is None:
-                time.sleep(0.1)
-    errors = [path.read_text() for path in sorted(Path(out_dir).glob("error*.txt"))]
-    if errors or any(proc.exitcode != 0 for proc in procs):
-        raise AssertionError(f"trainer ranks exited with {[p.exitcode for p in procs]} (timeout {timeout_s} s?):\n"
-                             + "\n".join(errors))
-    return [torch.load(Path(out_dir) / f"result{rank}.pt", weights_only=False) for rank in range(world_size)]
-
-
-def _run_rank(target, rank: int, world_size: int, port: int, out_dir: str, kwargs: dict) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        result = target(rank=rank, world_size=world_size, port=port, **kwargs)
-        torch.save(result, Path(out_dir) / f"result{rank}.pt")
-    except BaseException:
-        (Path(out_dir) / f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
 def tp2_pp2_rank(*, rank: int, world_size: int, port: int, url: str, disk_dir: str, transports: list[str],
                  shared_memory: bool) -> dict:
     """One of four bf16 trainer ranks (TP2 x PP2): one sync per transport, each with other weights.
@@ -124,17 +82,14 @@ def tp2_pp2_rank(*, rank: int, world_size: int, port: int, url: str, disk_dir: s
     return results
 
 
-def megatron_worker_pushes(*, rank: int, world_size: int, port: int, checkpoint: str, url: str,
-                           disk_dir: str) -> dict:
-    """A Megatron rank (TP2 x PP2): `MegatronWorker.push_weights` through each path, as the controller calls it.
+def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: str) -> dict:
+    """A Megatron rank (of TP2 x PP2): `MegatronWorker.push_weights` through each path, as the controller calls it.
 
     Returns, on trainer rank 0, each push's metrics, the server's digests and reported version after it.
     """
     from megarl.controller.engine_worker import MegatronWorker
-    from megarl.engines.distributed import destroy_distributed, init_distributed
 
-    init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=2, pp=2)
-    worker = MegatronWorker(rank=rank, world_size=world_size)
+    worker = MegatronWorker(rank=rank, world_size=4)
     worker.engine = policy_engine(checkpoint)
     client = RolloutClient([url], api_key=API_KEY, timeout_s=60) if rank == 0 else None
     results = {}
@@ -151,21 +106,17 @@ def megatron_worker_pushes(*, rank: int, world_size: int, port: int, checkpoint:
     worker.close_weight_sync()
     if client is not None:
         client.close()
-    destroy_distributed()
     return results
 
 
-def megatron_moe_ep_push(*, rank: int, world_size: int, port: int, checkpoint: str, url: str) -> dict | None:
+def megatron_moe_ep_push(*, rank: int, checkpoint: str, url: str) -> dict | None:
     """A Megatron rank of an EP2 (DP2) MoE policy: one checked tensor-transport push, as the controller makes it.
 
     Returns, on trainer rank 0, the push's metrics and the server's digests after it.
     """
     from megarl.controller.engine_worker import MegatronWorker
-    from megarl.engines.distributed import destroy_distributed, init_distributed
 
-    init_distributed(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, tp=1, pp=1,
-                     ep=world_size)
-    worker = MegatronWorker(rank=rank, world_size=world_size)
+    worker = MegatronWorker(rank=rank, world_size=2)
     worker.engine = policy_engine(checkpoint)
     settings = WeightSyncSettings(transport="tensor", bucket_mb=0.05, verify="checksum", timeout_s=60,
                                   disk_dir="unused")
@@ -175,7 +126,6 @@ def megatron_moe_ep_push(*, rank: int, world_size: int, port: int, checkpoint: s
         with RolloutClient([url], api_key=API_KEY, timeout_s=60) as client:
             digests = server_digests(client)
     worker.close_weight_sync()
-    destroy_distributed()
     return {"metrics": metrics, "digests": digests}
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,6 +17,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from _http import call as http_call
+from _tiny import greedy_continuation
 from megarl.ports import free_port
 from megarl.rollout.server import ServerStartError, start_cpu_engine
 from megarl.rollout.weight_wire import new_update_group, serialize_named_tensors
@@ -50,15 +50,6 @@ def build_model(seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(tiny_config()).eval()
 
 
-def greedy_loop(model, prompt: list[int], steps: int) -> list[int]:
-    """Plain argmax decoding with a full forward per token (no cache, no padding)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
 def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
     """log_softmax(logits / T) of each output token from one full forward over prompt + output."""
     with torch.no_grad():
@@ -86,7 +77,7 @@ def model_dirs(tmp_path_factory):
     second model with other weights."""
     root = tmp_path_factory.mktemp("cpu_engine_models")
     model = build_model(0)
-    continuation = greedy_loop(model, EOS_PROMPT, EOS_STEP + 1)
+    continuation = greedy_continuation(model, EOS_PROMPT, EOS_STEP + 1)
     eos = continuation[EOS_STEP]
     assert eos not in continuation[:EOS_STEP], "pick another EOS_STEP: the EOS token would appear earlier"
     model.config.eos_token_id = eos
@@ -120,21 +111,8 @@ def server(model_dirs, tmp_path_factory):
 
 
 def call(server, path: str, body=None, *, method: str = "POST", key: str | None = API_KEY, raw: bytes | None = None):
-    """(status, parsed JSON or text) of one HTTP call."""
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(server.url + path, data=data, headers=headers, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            status, text = response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        status, text = error.code, error.read().decode()
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
+    """(status, parsed JSON or text) of one HTTP call to the module's server (POST and the API key by default)."""
+    return http_call(server.url, path, body, method=method, key=key, raw=raw)
 
 
 def generate(server, body) -> dict | list:
@@ -158,7 +136,7 @@ def test_greedy_batch_matches_argmax_loop_and_full_forward_logprobs(server, refe
     outputs = generate(server, greedy_body(PROMPTS))
     assert isinstance(outputs, list) and len(outputs) == len(PROMPTS)
     for prompt, output in zip(PROMPTS, outputs):
-        assert output["output_ids"] == greedy_loop(reference, prompt, 8)
+        assert output["output_ids"] == greedy_continuation(reference, prompt, 8)
         expected = reference_logprobs(reference, prompt, output["output_ids"], 0.0)
         assert logprobs_of(output) == pytest.approx(expected, abs=1e-5)
         meta = output["meta_info"]
@@ -188,7 +166,7 @@ def test_top_k_one_is_greedy_and_prompt_logprobs(server, reference):
         "top_logprobs_num": 3,
     }
     output = generate(server, body)
-    assert output["output_ids"] == greedy_loop(reference, PROMPTS[0], 4)
+    assert output["output_ids"] == greedy_continuation(reference, PROMPTS[0], 4)
     prompt_entries = output["meta_info"]["input_token_logprobs"]
     assert [entry[1] for entry in prompt_entries] == PROMPTS[0]
     assert prompt_entries[0][0] is None
@@ -246,14 +224,14 @@ def test_finish_reasons_eos_stop_token_and_length(server, reference, model_dirs)
     params = {"max_new_tokens": 10, "temperature": 0.0}
     stopped = generate(server, {"input_ids": EOS_PROMPT, "sampling_params": params})
     # The EOS token is kept in output_ids, as SGLang does.
-    assert stopped["output_ids"] == greedy_loop(reference, EOS_PROMPT, EOS_STEP + 1)
+    assert stopped["output_ids"] == greedy_continuation(reference, EOS_PROMPT, EOS_STEP + 1)
     assert stopped["output_ids"][-1] == eos
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
     ignored = generate(server, {"input_ids": EOS_PROMPT, "sampling_params": {**params, "ignore_eos": True}})
     assert len(ignored["output_ids"]) == 10
     assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
 
-    continuation = greedy_loop(reference, PROMPTS[0], 6)
+    continuation = greedy_continuation(reference, PROMPTS[0], 6)
     stop_token = continuation[2]
     first = continuation.index(stop_token)
     body = {"input_ids": PROMPTS[0], "sampling_params": {**params, "ignore_eos": True, "stop_token_ids": [stop_token]}}
@@ -267,14 +245,14 @@ def test_finish_reasons_eos_stop_token_and_length(server, reference, model_dirs)
 def test_text_input_stop_strings_and_trimming(server, reference, model_dirs):
     params = {"max_new_tokens": 10, "temperature": 0.0}
     by_text = generate(server, {"text": words(EOS_PROMPT), "sampling_params": params})
-    assert by_text["output_ids"] == greedy_loop(reference, EOS_PROMPT, EOS_STEP + 1)
+    assert by_text["output_ids"] == greedy_continuation(reference, EOS_PROMPT, EOS_STEP + 1)
     # The matched EOS is trimmed from the text unless no_stop_trim.
     assert by_text["text"] == words(by_text["output_ids"][:-1])
     untrimmed = generate(server, {"text": words(EOS_PROMPT), "sampling_params": {**params, "no_stop_trim": True,
                                                                                 "skip_special_tokens": False}})
     assert untrimmed["text"] == words(untrimmed["output_ids"])
 
-    continuation = greedy_loop(reference, PROMPTS[0], 6)
+    continuation = greedy_continuation(reference, PROMPTS[0], 6)
     stop = f"t{continuation[2]}"
     first = continuation.index(continuation[2])
     body = {"input_ids": PROMPTS[0], "sampling_params": {**params, "ignore_eos": True, "stop": [stop, "never"]}}
@@ -284,7 +262,7 @@ def test_text_input_stop_strings_and_trimming(server, reference, model_dirs):
     assert output["text"] == words(continuation[:first]) + (" " if first else "")
     batch = generate(server, {"text": [words(PROMPTS[0]), words(PROMPTS[1])],
                               "sampling_params": {**params, "max_new_tokens": 3, "ignore_eos": True}})
-    assert [item["output_ids"] for item in batch] == [greedy_loop(reference, p, 3) for p in PROMPTS[:2]]
+    assert [item["output_ids"] for item in batch] == [greedy_continuation(reference, p, 3) for p in PROMPTS[:2]]
 
 
 def test_streaming_sends_cumulative_chunks_then_done(server):
@@ -406,7 +384,7 @@ def test_update_weights_from_tensor(server, reference, other_reference, model_di
 
         outputs = generate(server, greedy_body(PROMPTS[:2], max_new_tokens=6))
         for prompt, output in zip(PROMPTS, outputs):
-            assert output["output_ids"] == greedy_loop(other_reference, prompt, 6)
+            assert output["output_ids"] == greedy_continuation(other_reference, prompt, 6)
             expected = reference_logprobs(other_reference, prompt, output["output_ids"], 0.0)
             assert logprobs_of(output) == pytest.approx(expected, abs=1e-5)
             assert output["meta_info"]["weight_version"] == "v1"
@@ -414,7 +392,7 @@ def test_update_weights_from_tensor(server, reference, other_reference, model_di
     finally:
         call(server, "/end_weight_update", {})
         restore(server, model_dirs)
-    assert generate(server, greedy_body(PROMPTS[0], max_new_tokens=6))["output_ids"] == greedy_loop(
+    assert generate(server, greedy_body(PROMPTS[0], max_new_tokens=6))["output_ids"] == greedy_continuation(
         reference, PROMPTS[0], 6
     )
 
@@ -427,7 +405,7 @@ def test_update_weights_from_disk(server, other_reference, model_dirs, tmp_path)
         status, reply = call(server, "/update_weights_from_disk", body)
         assert status == 200 and reply == {"success": True, "message": reply["message"], "num_paused_requests": 0}
         output = generate(server, greedy_body(PROMPTS[2], max_new_tokens=5))
-        assert output["output_ids"] == greedy_loop(other_reference, PROMPTS[2], 5)
+        assert output["output_ids"] == greedy_continuation(other_reference, PROMPTS[2], 5)
         expected = reference_logprobs(other_reference, PROMPTS[2], output["output_ids"], 0.0)
         assert logprobs_of(output) == pytest.approx(expected, abs=1e-5)
         assert output["meta_info"]["weight_version"] == "disk-1"
@@ -470,13 +448,13 @@ def test_update_weights_from_distributed(server, reference, other_reference, mod
         wrong = [("model.norm.weight", torch.ones(64)), ("lm_head.weight", torch.zeros(VOCAB, 65))]
         status, reply = broadcast_update(server, group, wrong)
         assert status == 400 and "lm_head.weight" in reply["message"]
-        assert generate(server, greedy_body(PROMPTS[0], max_new_tokens=5))["output_ids"] == greedy_loop(
+        assert generate(server, greedy_body(PROMPTS[0], max_new_tokens=5))["output_ids"] == greedy_continuation(
             reference, PROMPTS[0], 5)
         status, reply = broadcast_update(server, group, named, weight_version="dist-1")
         assert status == 200 and reply["success"], reply
         assert call(server, "/end_weight_update", {})[0] == 200
         output = generate(server, greedy_body(PROMPTS[2], max_new_tokens=5))
-        assert output["output_ids"] == greedy_loop(other_reference, PROMPTS[2], 5)
+        assert output["output_ids"] == greedy_continuation(other_reference, PROMPTS[2], 5)
         assert logprobs_of(output) == pytest.approx(
             reference_logprobs(other_reference, PROMPTS[2], output["output_ids"], 0.0), abs=1e-5)
         assert output["meta_info"]["weight_version"] == "dist-1"
@@ -511,7 +489,7 @@ def test_requests_join_a_running_batch_exactly(server, reference):
     # Both finished while the long request still ran: they joined its batch.
     assert long_thread.is_alive()
     for prompt, output in zip([PROMPTS[2], PROMPTS[3]], joined):
-        assert output["output_ids"] == greedy_loop(reference, prompt, 8)
+        assert output["output_ids"] == greedy_continuation(reference, prompt, 8)
         assert logprobs_of(output) == pytest.approx(reference_logprobs(reference, prompt, output["output_ids"], 0.0),
                                                     abs=1e-5)
     long_thread.join(timeout=60)
@@ -548,7 +526,7 @@ def test_pause_and_continue_keep_greedy_output_exact(server, reference, mode):
     assert call(server, "/continue_generation", {})[0] == 200
     thread.join(timeout=60)
     output = holder["reply"]
-    assert output["output_ids"] == greedy_loop(reference, PROMPTS[1], 240)
+    assert output["output_ids"] == greedy_continuation(reference, PROMPTS[1], 240)
     assert logprobs_of(output) == pytest.approx(
         reference_logprobs(reference, PROMPTS[1], output["output_ids"], 0.0), abs=1e-5
     )

@@ -14,24 +14,24 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _tiny import greedy_continuation
 from test_cpu_engine import (
     API_KEY,
     PROMPTS,
     call,
     generate,
     greedy_body,
-    greedy_loop,
     logprobs_of,
     reference_logprobs,
     start_long_request,
     wait_running,
 )
+from test_weight_wire import FlattenedTensorMetadata
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from megarl.models import arch_from_hf, hf_to_megatron
@@ -54,18 +54,6 @@ HEALTH_TIMEOUT_S = 1.0
 # Large enough that its weights dominate the server's memory (85 MB in float32), small enough to load in seconds.
 CONFIG = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
               intermediate_size=1376, max_position_embeddings=256, tie_word_embeddings=False)
-
-
-@dataclass(frozen=True)
-class FlattenedTensorMetadata:
-    """megarl's own bucket metadata class, as its tensor transport used to send it."""
-
-    name: str
-    shape: tuple
-    dtype: torch.dtype
-    start_idx: int
-    end_idx: int
-    numel: int
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +133,7 @@ def test_own_metadata_class_kills_the_server_and_the_memory_saver_needs_its_flag
         assert call(handle, "/begin_weight_update", {})[0] == 200
         fatal(handle, call(handle, "/update_weights_from_tensor",
                            {"serialized_named_tensors": [entry], "load_format": "flattened_bucket"}),
-              r"Blocked unsafe class loading \(test_cpu_engine_strict\.FlattenedTensorMetadata\)")
+              r"Blocked unsafe class loading \(test_weight_wire\.FlattenedTensorMetadata\)")
     finally:
         handle.stop()
 
@@ -238,9 +226,9 @@ def test_an_update_made_without_pausing_waits_for_running_requests(server, model
         assert not thread.is_alive()  # the update was applied only after the request had finished
         # Every token came from the old weights: none changed under the running request.
         assert holder["reply"]["meta_info"]["weight_version"] == "v0"
-        assert holder["reply"]["output_ids"] == greedy_loop(reference, PROMPTS[1], 240)
+        assert holder["reply"]["output_ids"] == greedy_continuation(reference, PROMPTS[1], 240)
         after = generate(server, greedy_body(PROMPTS[2], max_new_tokens=4))
-        assert after["output_ids"] == greedy_loop(other, PROMPTS[2], 4)
+        assert after["output_ids"] == greedy_continuation(other, PROMPTS[2], 4)
     finally:
         restore(server, models)
 
@@ -292,7 +280,7 @@ def test_release_really_frees_the_weights_refuses_work_and_resume_needs_a_push(s
             client.end_weight_update()
             client.resume_memory_occupation(["kv_cache"])
         output = generate(server, greedy_body(PROMPTS[2], max_new_tokens=5))
-        assert output["output_ids"] == greedy_loop(other, PROMPTS[2], 5)
+        assert output["output_ids"] == greedy_continuation(other, PROMPTS[2], 5)
         assert logprobs_of(output) == pytest.approx(reference_logprobs(other, PROMPTS[2], output["output_ids"], 0.0),
                                                     abs=1e-5)
     finally:
@@ -308,7 +296,7 @@ def test_with_a_host_copy_resumed_weights_are_the_released_ones(models, referenc
         assert call(handle, "/release_memory_occupation", {})[0] == 200
         assert call(handle, "/resume_memory_occupation", {})[0] == 200
         assert call(handle, "/weights_checksum", method="GET")[1]["checksums"] == before
-        assert generate(handle, greedy_body(PROMPTS[0], max_new_tokens=4))["output_ids"] == greedy_loop(
+        assert generate(handle, greedy_body(PROMPTS[0], max_new_tokens=4))["output_ids"] == greedy_continuation(
             reference, PROMPTS[0], 4)
     finally:
         handle.stop()
@@ -330,7 +318,7 @@ def test_fleet_releases_and_resumes_its_servers_memory_around_a_sync(models, oth
         fleet.resume_memory(["kv_cache", "cuda_graph"])
         with RolloutClient(fleet.urls, api_key=API_KEY) as client:
             result = client.generate([PROMPTS[2]], max_new_tokens=4, temperature=0.0, ignore_eos=True)[0]
-        assert result.output_ids == greedy_loop(other, PROMPTS[2], 4) and result.weight_version == "7"
+        assert result.output_ids == greedy_continuation(other, PROMPTS[2], 4) and result.weight_version == "7"
         assert fleet.weight_version == "7"
 
 

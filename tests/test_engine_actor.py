@@ -11,25 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from _engine_spawn import run_spawned
+from _settings import FULL_PPO_LOSS
+from _tiny import padded_sequences, tiny_model
 from _engine_workers import actor_outputs
 
 pytestmark = pytest.mark.dist
 
 PROMPT, RESPONSE, ROWS = 5, 6, 6
-PPO = dict(
-    clip_ratio_low=0.2,
-    clip_ratio_high=0.28,
-    clip_ratio_c=3.0,
-    loss_agg_mode="token-mean",
-    entropy_coeff=0.01,
-    use_kl_loss=True,
-    kl_loss_coef=0.1,
-    kl_loss_type="low_var_kl",
-    temperature=1.0,
-)
+PPO = {**FULL_PPO_LOSS, "temperature": 1.0}
 METRICS = {
     "actor/pg_loss",
     "actor/pg_clipfrac",
@@ -41,31 +32,14 @@ METRICS = {
 
 
 def _hf_model():
-    config = Qwen2Config(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(5)
-    return Qwen2ForCausalLM(config)
+    return tiny_model("qwen2", seed=5, vocab_size=200, attn_implementation="eager")
 
 
 def _batch(model) -> dict:
     gen = torch.Generator().manual_seed(3)
-    input_ids = torch.randint(0, 200, (ROWS, PROMPT + RESPONSE), generator=gen)
-    mask = torch.ones_like(input_ids)
-    # Different prompt pads and response lengths: micro-batches hold unequal token counts.
-    for row, (left_pad, length) in enumerate([(0, 6), (2, 1), (4, 3), (1, 6), (0, 2), (3, 5)]):
-        mask[row, :left_pad] = 0
-        mask[row, PROMPT + length :] = 0
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    response_mask = mask[:, PROMPT:].clone()
+    sequences = padded_sequences(gen, rows=ROWS, prompt=PROMPT, response=RESPONSE, vocab=200)
+    input_ids, mask, position_ids = sequences["input_ids"], sequences["attention_mask"], sequences["position_ids"]
+    response_mask = sequences["response_mask"]
     with torch.no_grad():
         log_probs = _response_log_probs(model, input_ids, mask, position_ids)
     return {

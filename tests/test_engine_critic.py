@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from _engine_spawn import run_spawned
+from _tiny import padded_sequences, tiny_model
 from _engine_workers import log_prob_rows
 from _settings import batching, optimizer, value_update
 
@@ -24,35 +24,14 @@ UPDATE = dict(epochs=1, micro_batch_size=2, shuffle=False, seed=0, cliprange_val
 
 
 def _hf_model():
-    config = Qwen2Config(
-        vocab_size=200,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(5)
-    return Qwen2ForCausalLM(config)
+    return tiny_model("qwen2", seed=5, vocab_size=200, attn_implementation="eager")
 
 
 def _batch() -> dict:
     gen = torch.Generator().manual_seed(3)
-    input_ids = torch.randint(0, 200, (ROWS, PROMPT + RESPONSE), generator=gen)
-    mask = torch.ones_like(input_ids)
-    for row, (left_pad, length) in enumerate([(0, 6), (2, 1), (4, 3), (1, 6), (0, 2), (3, 5)]):
-        mask[row, :left_pad] = 0
-        mask[row, PROMPT + length :] = 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-        "response_mask": mask[:, PROMPT:].float(),
-        "returns": torch.randn(ROWS, RESPONSE, generator=gen),
-    }
+    batch = padded_sequences(gen, rows=ROWS, prompt=PROMPT, response=RESPONSE, vocab=200)
+    return {**batch, "response_mask": batch["response_mask"].float(),
+            "returns": torch.randn(ROWS, RESPONSE, generator=gen)}
 
 
 def critic_job(*, rank: int, hf_config: dict, weights: dict, batch: dict, ckpt_dir: str | None = None) -> dict:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from _engine_jobs import LAYOUTS, MATRIX_MODELS, MATRIX_ROWS, PROMPT, RESPONSE, WORLD_SIZE, matrix_job
+from _tiny import hf_sft_backward
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one shared multi-process job, 20-50 s
 MODELS, ROWS = MATRIX_MODELS, MATRIX_ROWS
@@ -42,18 +43,12 @@ def results(job) -> list[dict]:
 def hf_reference(models):
     """Per model: HF logits and the SFT loss / gradients by autograd (token-mean NLL over loss_mask)."""
     hf_models, _, batch = models
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     reference = {}
     for name, model in hf_models.items():
-        model.zero_grad()
-        logits = model(**inputs).logits
-        mask = batch["loss_mask"][:, 1:].float()
-        nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-        loss = (nll * mask).sum() / mask.sum()
-        loss.backward()
+        logits, loss = hf_sft_backward(model, batch)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
-        reference[name] = {"logits": logits.detach().double(), "loss": loss.item(), "grads": grads, "norm": norm}
+        reference[name] = {"logits": logits.double(), "loss": loss, "grads": grads, "norm": norm}
     return reference
 
 

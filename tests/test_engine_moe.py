@@ -20,6 +20,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from _engine_spawn import run_spawned
 from _engine_workers import moe_outputs
+from _tiny import hf_sft_backward
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one shared multi-process job, 20-50 s
 
@@ -95,15 +96,9 @@ def job(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_reference(job):
     models, _, batch, _ = job
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
     reference = {}
     for name, model in models.items():
-        model.zero_grad()
-        logits = model(**inputs).logits
-        mask = batch["loss_mask"][:, 1:].float()
-        nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-        loss = (nll * mask).sum() / mask.sum()
-        loss.backward()
+        logits, loss = hf_sft_backward(model, batch)
         # Gradients in the on-disk names (one tensor per expert), as the engine reports them.
         grads = {}
         for param_name, param in model.named_parameters():
@@ -118,7 +113,7 @@ def hf_reference(job):
             else:
                 grads[param_name] = param.grad.clone()
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
-        reference[name] = {"logits": logits.detach().double(), "loss": loss.item(), "grads": grads, "norm": norm}
+        reference[name] = {"logits": logits.double(), "loss": loss, "grads": grads, "norm": norm}
     return reference
 
 

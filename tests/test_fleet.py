@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import os
 import signal
 import threading
@@ -17,6 +16,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from _http import call as http_call
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -160,15 +160,7 @@ def generation_batch(prompts: list[list[int]], n: int) -> Batch:
 
 
 def call(url: str, path: str, body=None, *, key: str | None = API_KEY) -> tuple[int, object]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"{url}{path}", data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            text = reply.read().decode()
-            return reply.status, json.loads(text) if text.strip() else None
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
+    return http_call(url, path, body, key=key)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from _tiny import FAMILIES, TINY, tiny_model
 
 from megarl.errors import InputError
 from megarl.models import (
@@ -24,32 +24,9 @@ from megarl.models import (
     transformer_kwargs,
 )
 
-TINY = dict(
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=16)),
-}
-
-
 def _hf_model(family: str, **overrides):
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(**{**TINY, **extra, **overrides})
-    torch.manual_seed(0)
-    model = model_cls(config)
-    # Norms and biases start at 1/0 in HF; randomise them so a swapped tensor cannot hide.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.normal_()
-    return config.to_dict(), model
+    model = tiny_model(family, seed=0, randomise_norms=True, initializer_range=0.02, **overrides)
+    return model.config.to_dict(), model
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
-import urllib.request
 
 import pytest
+from _http import call as http_call
 import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -54,10 +53,7 @@ def client(servers):
 
 
 def direct_generate(url: str, body: dict) -> dict:
-    request = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())
+    return http_call(url, "/generate", body)[1]
 
 
 @pytest.mark.dist

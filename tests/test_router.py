@@ -7,13 +7,12 @@ and the servers are stopped by PID when the fleet shuts down.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
-import urllib.error
-import urllib.request
 
 import pytest
+from _http import call as http_call
+from _tiny import greedy_continuation
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -37,24 +36,8 @@ def tiny_model(seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def greedy_hf(model: LlamaForCausalLM, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 def call(url: str, path: str, body=None, *, key: str | None = API_KEY) -> tuple[int, object]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(f"{url}{path}", data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            text = reply.read().decode()
-            return reply.status, json.loads(text) if text.strip() else None
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
+    return http_call(url, path, body, key=key)
 
 
 def greedy(url: str, prompt: list[int]) -> list[int]:
@@ -160,7 +143,7 @@ def test_weight_sync_goes_to_every_server_directly(fleet, models):
         fleet.sync_weights(version="other-1")
         assert fleet.weight_version == "other-1"
         assert [call(url, "/model_info")[1]["weight_version"] for url in fleet.urls] == ["other-1"] * 2
-        expected = greedy_hf(models["other_model"], PROMPTS[1], 6)
+        expected = greedy_continuation(models["other_model"], PROMPTS[1], 6)
         assert [greedy(fleet.router.url, PROMPTS[1]) for _ in range(2)] == [expected, expected]
     finally:
         fleet.set_weight_source(str(models["base"]))

@@ -12,15 +12,14 @@ the tensor transport when it fans buckets out to every rank as it does on GPUs
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _http import call as http_call
 import torch
-from _weightsync_ranks import API_KEY, MOE_CONFIG, moe_rank, moe_weights, reference_digests, spawn_ranks
+from _engine_spawn import run_spawned
+from _weightsync_ranks import API_KEY, MOE_CONFIG, moe_rank, moe_weights, reference_digests
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megarl.ports import free_port
@@ -48,15 +47,8 @@ def servers(tmp_path_factory):
             handle.stop()
 
 
-def call(url: str, path: str, body=None, *, method: str = "POST") -> tuple[int, dict]:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode() if body is not None else None,
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
-                                     method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+def call(url: str, path: str, body=None, *, method: str | None = None) -> tuple[int, dict]:
+    return http_call(url, path, body, method=method, key=API_KEY)
 
 
 def digests_of(url: str) -> dict[str, str]:
@@ -115,7 +107,7 @@ def test_several_senders_load_two_servers_exactly(servers, tmp_path, pp, ep, tra
     urls = [server.url for server in servers]
     devices = ["fake-gpu-0", "fake-gpu-1"] if fanout else None
     server_devices = [["fake-gpu-1"], ["fake-gpu-0"]] if fanout else None  # server 0 on rank 1's device
-    results = spawn_ranks(moe_rank, world_size=2, out_dir=tmp_path, timeout_s=180, urls=urls, pp=pp, ep=ep,
+    results = run_spawned(moe_rank, world_size=2, layout=None, timeout_s=180, urls=urls, pp=pp, ep=ep,
                           transport=transport, seed=seed, devices=devices, server_devices=server_devices)
     # Two senders, in turn order (PP stage, EP rank).
     assert [(stage, expert) for stage, expert, _ in results[0]["senders"]] == [(s, e) for s in range(pp)

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from _engine_spawn import run_spawned
 from _weightsync_ranks import (
     API_KEY,
     ARCH,
@@ -31,7 +32,6 @@ from _weightsync_ranks import (
     megatron_worker_pushes,
     reference_digests,
     server_digests,
-    spawn_ranks,
     tp2_pp2_rank,
     trainer_weights,
 )
@@ -233,7 +233,7 @@ def test_tensor_transport_sends_one_entry_per_server_tp_rank():
 @pytest.mark.parametrize("shared_memory, transports", [(True, list(PP_TRANSPORTS)), (False, ["tensor"])],
                          ids=["shared-memory-assembly", "point-to-point-gather"])
 def test_tp2_pp2_stage_senders_sync_in_parallel(server, client, tmp_path, shared_memory, transports):
-    results = spawn_ranks(tp2_pp2_rank, world_size=4, out_dir=tmp_path, timeout_s=120, url=server.url,
+    results = run_spawned(tp2_pp2_rank, world_size=4, layout=None, timeout_s=120, url=server.url,
                           disk_dir=str(tmp_path / "sync"), transports=transports, shared_memory=shared_memory)
     assert all(result["same_host"] for result in results)  # four local processes: one host
     for name in transports:
@@ -254,7 +254,7 @@ def test_megatron_worker_pushes_through_every_path(server, tmp_path):
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
     model.load_state_dict(hf)
     model.save_pretrained(tmp_path / "trainer")
-    results = spawn_ranks(megatron_worker_pushes, world_size=4, out_dir=tmp_path, timeout_s=240,
+    results = run_spawned(megatron_worker_pushes, world_size=4, layout={"tp": 2, "pp": 2}, timeout_s=240,
                           checkpoint=str(tmp_path / "trainer"), url=server.url, disk_dir=str(tmp_path / "sync"))
     assert all(result == {} for result in results[1:])
     expected = reference_digests(hf)
@@ -327,7 +327,7 @@ def test_megatron_moe_ep2_push_loads_every_expert_into_the_server(tmp_path):
         model.save_pretrained(tmp_path / name)
     handle = start_cpu_engine(tmp_path / "served", api_key=API_KEY, log_path=tmp_path / "server.log")
     try:
-        results = spawn_ranks(megatron_moe_ep_push, world_size=2, out_dir=tmp_path, timeout_s=240,
+        results = run_spawned(megatron_moe_ep_push, world_size=2, layout={"tp": 1, "pp": 1, "ep": 2}, timeout_s=240,
                               checkpoint=str(tmp_path / "trainer"), url=handle.url)
     finally:
         handle.stop()

@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl import atomic
+
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-step_"
 MARKER = "COMPLETE.json"
@@ -121,13 +123,6 @@ def _digests(directory: Path, names: list[str]) -> dict[str, str]:
         return dict(zip(names, pool.map(lambda name: _digest_and_sync(directory / name), names)))
 
 
-def _fsync_dir(directory: Path) -> None:
-    handle = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
 
 def verify(checkpoint: StepCheckpoint) -> list[str]:
     """One line per file of the marker that is missing or whose digest differs; empty when intact."""
@@ -183,10 +178,10 @@ def save_step(roles, run_dir: Path, *, step: int, controller_state: dict, recipe
         handle.flush()
         os.fsync(handle.fileno())
     for directory in sorted({(tmp / name).parent for name in names} | {tmp}):
-        _fsync_dir(directory)
+        atomic.fsync_dir(directory)
     final = root / f"{STEP_PREFIX}{step}"
     os.rename(tmp, final)
-    _fsync_dir(root)
+    atomic.fsync_dir(root)
     if keep_last:
         for old in complete_steps(run_dir)[:-keep_last]:
             shutil.rmtree(old.path)

@@ -13,8 +13,7 @@ requests are spread over servers or batched inside them. (One seed for all n
 copies would make SGLang draw n identical samples.)
 
 All network work runs on a private event loop in a background thread: the
-blocking methods work from plain code and from inside other event loops
-(`agenerate` awaits the same work from any loop).
+blocking methods work from plain code and from inside other event loops.
 """
 
 from __future__ import annotations
@@ -51,6 +50,34 @@ def generate_body(
     if n == 1:
         return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": return_logprob}
     return {"input_ids": [list(prompt)] * n, "sampling_params": params, "return_logprob": return_logprob}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How `RolloutClient.generate` samples: temperature 0 is greedy, top_k -1 is off; with `seed`, every sample
+    gets its own `sampling_seed` (module docstring)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    seed: int | None = None
+    return_logprob: bool = True
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    def params(self) -> dict[str, Any]:
+        """SGLang's `sampling_params` (without the per-sample seed)."""
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p, "top_k": self.top_k, "ignore_eos": self.ignore_eos}
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
 
 
 class RolloutError(RuntimeError):
@@ -101,61 +128,19 @@ class RolloutClient:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        n: int = 1,
-        stop_token_ids: list[int] | None = None,
-        seed: int | None = None,
-        return_logprob: bool = True,
-        ignore_eos: bool = False,
-    ) -> list[GenerationResult]:
+    def generate(self, prompts: list[list[int]], **sampling: Any) -> list[GenerationResult]:
         """Generate `n` samples per prompt; returns len(prompts) * n results, prompt-major.
 
-        temperature 0 is greedy; top_k -1 is off. Raises RolloutError when a server fails.
+        `sampling`: the fields of `Sampling` (max_new_tokens required). Raises RolloutError when a server fails.
         """
-        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, n=n,
-                       stop_token_ids=stop_token_ids, seed=seed, return_logprob=return_logprob, ignore_eos=ignore_eos)
-        return self.run(self._generate(prompts, **options))
+        return self.run(self._generate(prompts, Sampling(**sampling)))
 
-    async def agenerate(self, prompts: list[list[int]], **options: Any) -> list[GenerationResult]:
-        """`generate` for callers running their own event loop (same keyword arguments)."""
-        future = asyncio.run_coroutine_threadsafe(self._generate(prompts, **options), self._loop)
-        return await asyncio.wrap_future(future)
-
-    async def _generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        n: int = 1,
-        stop_token_ids: list[int] | None = None,
-        seed: int | None = None,
-        return_logprob: bool = True,
-        ignore_eos: bool = False,
-    ) -> list[GenerationResult]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        sampling: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "ignore_eos": ignore_eos,
-        }
-        if stop_token_ids:
-            sampling["stop_token_ids"] = list(stop_token_ids)
+    async def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[GenerationResult]:
+        n, seed, return_logprob = sampling.n, sampling.seed, sampling.return_logprob
+        params = sampling.params()
 
         async def one(index: int, prompt: list[int]) -> list[GenerationResult]:
-            body = generate_body(prompt, index, n=n, sampling=sampling, seed=seed, return_logprob=return_logprob)
+            body = generate_body(prompt, index, n=n, sampling=params, seed=seed, return_logprob=return_logprob)
             server = self._pick_server()
             try:
                 async with server.slots:
@@ -201,12 +186,6 @@ class RolloutClient:
 
     def flush_cache(self) -> None:
         self.run(self._all("POST", "/flush_cache"))
-
-    def pause_generation(self, mode: str = "abort") -> None:
-        self.run(self._all("POST", "/pause_generation", {"mode": mode}))
-
-    def continue_generation(self) -> None:
-        self.run(self._all("POST", "/continue_generation", {}))
 
     def begin_weight_update(self, selector: str = "all") -> None:
         self.run(self._all("POST", "/begin_weight_update", {"selector": selector}))

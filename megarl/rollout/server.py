@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from megarl.ports import free_port
 
@@ -127,34 +127,18 @@ def start_cpu_engine(
     port: int | None = None,
     api_key: str | None = None,
     threads: int = 1,
-    tokenizer_path: str | Path | None = None,
-    max_batch: int = 256,
-    weight_version: str | None = None,
-    seed: int | None = None,
-    log_level: str = "info",
     log_path: str | Path | None = None,
     env: dict[str, str] | None = None,
     startup_timeout_s: float = 120.0,
-    dtype: str | None = None,
-    enable_memory_saver: bool = False,
-    enable_weights_cpu_backup: bool = False,
-    health_check_timeout_s: float | None = None,
-    weight_update_group_timeout_s: float | None = None,
-    max_request_bytes: int | None = None,
+    **options: Any,
 ) -> ServerHandle:
-    """Start one CPU engine server and wait until it is healthy."""
+    """Start one CPU engine server and wait until it is healthy; `options` are `cpu_engine_command`'s."""
     port = port if port is not None else free_port(host)
     if log_path is None:
         handle, name = tempfile.mkstemp(prefix=f"megarl-cpu-engine-{port}-", suffix=".log")
         os.close(handle)
         log_path = name
-    command = cpu_engine_command(model_path, host=host, port=port, api_key=api_key, threads=threads,
-                                 tokenizer_path=tokenizer_path, max_batch=max_batch, weight_version=weight_version,
-                                 seed=seed, log_level=log_level, dtype=dtype, enable_memory_saver=enable_memory_saver,
-                                 enable_weights_cpu_backup=enable_weights_cpu_backup,
-                                 health_check_timeout_s=health_check_timeout_s,
-                                 weight_update_group_timeout_s=weight_update_group_timeout_s,
-                                 max_request_bytes=max_request_bytes)
+    command = cpu_engine_command(model_path, host=host, port=port, api_key=api_key, threads=threads, **options)
     # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
     process_env = {**(env or {}), "OMP_NUM_THREADS": str(threads)}
     server = spawn_server(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key)
