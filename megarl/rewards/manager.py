@@ -49,6 +49,16 @@ def _column(values: Sequence[Any]) -> np.ndarray:
     return column
 
 
+def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row scores [B] -> [B, R] float32 with each score at index valid_response_length - 1, so `.sum(-1)` gives
+    them back; a row without response tokens has no token to carry its score and stays 0."""
+    lengths = response_mask.sum(-1).long()
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows] - 1] = scores[rows].float()
+    return out
+
+
 class RewardManager:
     """`RewardManager(tokenizer, scorers, num_workers)(batch) -> RewardOutput`.
 
@@ -87,15 +97,16 @@ class RewardManager:
         # gets 0, so token_level_scores.sum(-1) always equals extra["score"].
         scored = [index for index, length in enumerate(valid_lengths) if length > 0]
         results = [SampleScore(0.0, {}, None)] * len(tasks)
-        for index, result in zip(scored, self._score([tasks[index] for index in scored])):
+        for index, result in zip(scored, self.score_tasks([tasks[index] for index in scored])):
             results[index] = result
-
-        scores = torch.zeros(responses.shape, dtype=torch.float32)
-        for index in scored:
-            scores[index, valid_lengths[index] - 1] = results[index].score
+        scores = at_last_token(torch.tensor([result.score for result in results]), batch["response_mask"])
         return RewardOutput(scores, self._extra_fields(results), sum(result.error is not None for result in results))
 
-    def _score(self, tasks: list[tuple[str, str, str, dict]]) -> list[SampleScore]:
+    def score_tasks(self, tasks: Sequence[tuple[str, str, Any, dict]]) -> list[SampleScore]:
+        """Scores of (data_source, response text, ground truth, extra_info) tasks, in order; a failing scorer gives
+        0 and an error for its task only."""
+        tasks = list(tasks)
+        check_data_sources([task[0] for task in tasks], self.scorers)
         if not tasks:
             return []
         results = None
