@@ -28,6 +28,9 @@ Tensor = torch.Tensor
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
+# The scalar head of an HF *ForSequenceClassification reward model ([1, hidden], no bias). A reward model has
+# no `lm_head.weight`: its backbone maps like a tied model's, and the engine keeps this head itself.
+SCORE_HEAD = "score.weight"
 
 # Per-layer Megatron name -> HF name (the fused QKV and fc1 are handled separately).
 _LAYER_SIMPLE = {
