@@ -27,11 +27,12 @@ from megarl.config.settings import (
 )
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import refuse_silent_restart, save_step
-from megarl.controller.engine_worker import MegatronWorker
+from megarl.controller.engine_worker import start_engine_group
 from megarl.controller.fleet import start_rollout_fleet
 from megarl.controller.placement import plan_pools, total_devices
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
+from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.tracking import Tracker
@@ -45,12 +46,9 @@ from megarl.protocol import Batch
 def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,
                   optimizer) -> WorkerGroup:
     """`pool.world_size` ranks hosting one engine of `kind` ("policy" or "value")."""
-    group = WorkerGroup(MegatronWorker, pool, name=name)
-    master_addr, master_port = group.run_rank(0, "master_endpoint")
-    group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port,
-              parallel=parallel.model_dump(), hf_config=hf_config, weights=str(weights), seed=recipe.seed,
-              params_dtype=recipe.model.dtype, optimizer=optimizer)
-    return group
+    return start_engine_group(pool, name=name, kind=kind, parallel=parallel.model_dump(), hf_config=hf_config,
+                              weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
+                              optimizer=optimizer)
 
 
 def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
@@ -100,7 +98,9 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                                     settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
     cleanup.callback(actor_group.run, "close_weight_sync")
-    roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, reference=reference, critic=critic,
+    reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
+                               api_key=api_key, run_dir=run_dir, cleanup=cleanup)
+    roles = Roles(actor=actor, rollout=fleet, reward=reward, reference=reference, critic=critic,
                   kl_ctrl=data.kl_ctrl)
     roles.sync_weights(version=0)
     return roles
