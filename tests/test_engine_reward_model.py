@@ -141,7 +141,8 @@ def test_retemplating_renders_the_reward_models_chat_template(job):
     tokenizer = load_tokenizer()
     shared = tokenizer.decode(rows["shared"]["input_ids"][0][rows["shared"]["attention_mask"][0].bool()])
     other = tokenizer.decode(rows["retemplated"]["input_ids"][0][rows["retemplated"]["attention_mask"][0].bool()])
-    assert shared == '<|im_start|>user\nAnswer after "####". 07+45=?<|im_end|>\n<|im_start|>assistant\n#### 52<|im_end|>'
+    assert shared == ('<|im_start|>user\nAnswer after "####". 07+45=?<|im_end|>\n<|im_start|>assistant\n'
+                      "#### 52<|im_end|>")
     assert other == '[user] Answer after "####". 07+45=? [end]\n[assistant] #### 52 [end]\n'
     # From text, shared tokenization gives exactly what generation produced.
     assert torch.equal(rows["shared_text"]["input_ids"], rows["shared"]["input_ids"])
@@ -150,8 +151,8 @@ def test_retemplating_renders_the_reward_models_chat_template(job):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bradley_terry_loss_and_weights_round_trip(job, name):
     checkpoints, rows, out = job
-    chosen, rejected = _hf_scores(checkpoints[name], rows["shared"]), _hf_scores(checkpoints[name],
-                                                                                  rows["retemplated"])
+    chosen = _hf_scores(checkpoints[name], rows["shared"])
+    rejected = _hf_scores(checkpoints[name], rows["retemplated"])
     margin = chosen - rejected
     loss = -torch.nn.functional.logsigmoid(margin).mean()
     reference = AutoModelForSequenceClassification.from_pretrained(checkpoints[name]).state_dict()

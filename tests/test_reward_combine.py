@@ -36,8 +36,8 @@ def test_the_rule_mode_needs_no_model_side_the_others_do():
         with pytest.raises(ValueError, match="needs the model-side score"):
             combine_scores(mode, rule=RULE, rm=None, options=OPTIONS)
     assert {name: (REWARD_COMBINE_MODES.get(name).uses_rule, REWARD_COMBINE_MODES.get(name).uses_rm)
-            for name in REWARD_COMBINE_MODES} == {"rm": (False, True), "rule": (True, False), "rule_gated": (True, True),
-                                                  "sum": (True, True)}
+            for name in REWARD_COMBINE_MODES} == {"rm": (False, True), "rule": (True, False),
+                                                  "rule_gated": (True, True), "sum": (True, True)}
 
 
 def test_the_reward_sits_at_the_last_valid_response_token():

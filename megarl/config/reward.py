@@ -176,6 +176,13 @@ class RewardModelTraining(Section):
         "score head starts at zero); null = the policy's initial weights (model.path, or model.config "
         "seeded with the run seed)",
     )
+    sft_steps: NonNegativeInt = Field(
+        0,
+        description="supervised steps of the backbone on the reference solutions of the RL data (data.*, at "
+        "sft_warmup.lr and sft_warmup.batch_size, no early stop) before the Bradley-Terry fit; 0 = none. "
+        "InstructGPT starts its reward model from an SFT model: a backbone that solves the task learns to "
+        "judge it from far fewer pairs, and one trained further than the policy does not share its mistakes",
+    )
     optim: Optim = Field(description="optimizer of the reward model")
     epochs: PositiveInt = Field(1, description="passes over the training pairs")
     mini_batch_size: PositiveInt = Field(description="pairs per optimizer step, global across DP ranks")

@@ -166,7 +166,8 @@ class ScoringRun:
             self.response_ids[row], self.texts[row] = ids, text
         tasks = [(self.data_sources[r], texts[i], self.ground_truths[r], self.extra_infos[r])
                  for i, r in enumerate(rows)]
-        for row, result in zip(rows, self.loop.manager.score_tasks(tasks)):
+        # Scored per group as it arrives: with reward.num_workers, each group goes to the worker processes.
+        for row, result in zip(rows, self.loop.manager.score_tasks(tasks, pooled=True)):
             self.rule[row], self.rule_failed[row] = result.score, result.error is not None
         side = self.loop.model_side
         if side.remote is not None:

@@ -2,8 +2,9 @@
 
 Order: run directory (`<output_dir>/<name>/train-rm/` holds the pairs, `metrics.jsonl`
 and TensorBoard files), tokenizers and pairs (re-templated exactly as the reward-model
-role will see rows in `megarl train`), the starting weights, Ray and the reward
-model's pool, one Megatron engine group of kind "reward", then epochs of shuffled
+role will see rows in `megarl train`), the starting weights (optionally after
+`sft_steps` supervised steps, run here on the reward model's pool), Ray and the
+reward model's pool, one Megatron engine group of kind "reward", then epochs of shuffled
 mini-batches (one Bradley-Terry optimizer step each) with validation accuracy (the
 share of validation pairs scored chosen > rejected) every `val_every` steps and at
 the end. The result is an HF `*ForSequenceClassification` checkpoint (num_labels 1,
@@ -26,13 +27,20 @@ import torch
 from megarl import atomic
 from megarl.config import Recipe
 from megarl.config.schema import read_hf_config
-from megarl.config.settings import preference_update_settings, reward_model_optimizer_settings, reward_scoring_batching
-from megarl.controller.bootstrap import prepare_initial_weights
+from megarl.config.settings import (
+    logprob_batching,
+    optimizer_settings,
+    preference_update_settings,
+    reward_model_optimizer_settings,
+    reward_scoring_batching,
+)
+from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.engine_worker import start_engine_group
 from megarl.controller.placement import plan_pools
-from megarl.controller.preflight import prepare_run_dir
+from megarl.controller.preflight import check_reward_model_training, prepare_run_dir
 from megarl.controller.ray_cluster import connect_ray, start_local_ray
-from megarl.controller.roles import RewardModelRole
+from megarl.controller.roles import PolicyRole, RewardModelRole
+from megarl.controller.sft import run_sft_warmup
 from megarl.controller.tracking import Tracker
 from megarl.data.preference import read_pairs, write_arithmetic_preferences
 from megarl.data.rm_inputs import RewardModelInputs
@@ -111,16 +119,24 @@ def _write_reward_model(path: Path, state: dict[str, torch.Tensor], config: dict
         tokenizer.save_pretrained(partial)
 
 
-def _check_inputs(recipe: Recipe) -> None:
-    rm = recipe.reward_model
-    problems = []
-    if rm is None or rm.train is None:
-        problems.append("reward_model.train: `megarl train-rm` needs a reward_model section with a train section")
-    elif Path(rm.path).expanduser().exists():
-        problems.append(f"reward_model.path: {rm.path} already exists; train-rm never overwrites a reward model "
-                        f"(remove it or choose another path) (got {rm.path!r})")
-    if problems:
-        raise InputError(problems)
+def _sft_warmed_backbone(recipe: Recipe, *, pool, weights: Path, hf_config: dict, run_dir: Path,
+                         tracker: Tracker) -> dict[str, torch.Tensor]:
+    """`weights` after `reward_model.train.sft_steps` supervised steps on the RL data's reference solutions (the
+    policy's warm-up code, without its early stop), in HF names; its engine group is gone afterwards."""
+    steps = recipe.reward_model.train.sft_steps
+    warmup = recipe.sft_warmup.model_copy(update={"steps": steps, "stop_loss": None})
+    data = prepare_data(recipe, run_dir)
+    group = start_engine_group(pool, name="reward_model_sft", kind="policy",
+                               parallel=recipe.reward_model.parallel.model_dump(), hf_config=hf_config,
+                               weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
+                               optimizer=optimizer_settings(recipe, "actor"))
+    try:
+        run_sft_warmup(PolicyRole(group, batching=logprob_batching(recipe)), data,
+                       recipe.model_copy(update={"sft_warmup": warmup}), tracker)
+        tracker.message(f"reward model backbone: {steps} supervised steps")
+        return next(sd for sd in group.run("hf_state_dict") if sd is not None)
+    finally:
+        group.kill()
 
 
 def _validate(role: RewardModelRole, pairs: Pairs) -> dict[str, float]:
@@ -132,7 +148,9 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
     """Run `megarl train-rm` for `recipe`; returns where the reward model went and its final validation accuracy."""
     import ray
 
-    _check_inputs(recipe)
+    problems = check_reward_model_training(recipe)
+    if problems:
+        raise InputError(problems)
     rm, train = recipe.reward_model, recipe.reward_model.train
     run_dir = prepare_run_dir(recipe)
     log_dir = run_dir / "train-rm"
@@ -167,10 +185,16 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
         cleanup.callback(tracker.close)
         pool = plan_pools(recipe)["reward_model"]
         cleanup.callback(pool.release)
+        warmed = None
+        if train.sft_steps > 0:
+            warmed = _sft_warmed_backbone(recipe, pool=pool, weights=weights, hf_config=hf_config, run_dir=run_dir,
+                                          tracker=tracker)
         group = start_engine_group(pool, name="reward_model", kind="reward", parallel=rm.parallel.model_dump(),
                                    hf_config=hf_config, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
                                    optimizer=reward_model_optimizer_settings(recipe, train_pairs=len(train_pairs)))
         cleanup.callback(group.kill)
+        if warmed is not None:
+            group.run("load_hf_state_dict", warmed)  # the backbone; the score head starts at zero
         role = RewardModelRole(group, batching=reward_scoring_batching(recipe))
         settings = preference_update_settings(recipe)
         rng = np.random.default_rng(recipe.seed)

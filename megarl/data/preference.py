@@ -3,8 +3,9 @@
 A pair row is `prompt` (chat messages, as in the RL data of DESIGN.md §2), `chosen`
 and `rejected` (response texts); the reward model should score `chosen` higher.
 The arithmetic pairs prefer the task's reference answer (`#### <sum>`) over a wrong
-response of the kinds a small policy produces: a sum off by a carry or a digit, a
-random number, or the right number without the `####` the rule requires.
+response of the kinds the task's own policy produces: mostly a sum off by a carry or a
+digit (at the rates measured on the quickstart policy), else a random number or the
+right number without the `####` the rule requires.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ PAIR_SCHEMA = pa.schema(
         ("rejected", pa.string()),
     ]
 )
-# Off by a carry (10), a units digit (1, 2, 9) or both (11, 20): the near misses of a policy learning addition.
-_NEAR_MISSES = (1, 2, 9, 10, 11, 20)
+# How far a policy learning addition misses: |answer - sum| and its relative frequency among the wrong answers
+# of the CPU quickstart's policy right after its SFT warm-up (200 problems x 8 samples at temperature 1): off by a
+# carry (10), a units digit (1, 2) or both (9, 11). Both signs are drawn alike: that policy mostly under-carries
+# (-10, -9), but a policy optimised against the reward model drifts to whatever misses the model never saw; trained
+# on the measured signs alone, the reward model preferred sum + 10 to the sum, and GRPO taught the policy to add 10.
+MISS_SIZES = {1: 320, 10: 250, 9: 196, 2: 99, 8: 71, 11: 57, 3: 28, 19: 21, 20: 17, 7: 17, 12: 17}
 
 
 def _row_problems(row: dict) -> list[str]:
@@ -73,16 +78,17 @@ def write_pairs(rows: Sequence[dict], path: Path) -> Path:
 
 
 def wrong_response(total: int, rng: random.Random) -> str:
-    """A response to "a+b=?" that the GSM8K rule scores 0: a wrong sum after `####`, or the sum without it."""
+    """A response to "a+b=?" that the GSM8K rule scores 0: the sum without `####` (1 in 10), a random number
+    (1 in 10), else a near miss of a size drawn from `MISS_SIZES`, above or below the sum."""
     kind = rng.random()
-    if kind < 0.15:
+    if kind < 0.1:
         return str(total)
-    if kind < 0.35:
+    if kind < 0.2:
         wrong = rng.randint(0, 2 * max(total, 9))
     else:
-        wrong = total + rng.choice(_NEAR_MISSES) * rng.choice((-1, 1))
+        wrong = total + rng.choice((-1, 1)) * rng.choices(list(MISS_SIZES), list(MISS_SIZES.values()))[0]
     if wrong < 0 or wrong == total:
-        wrong = total + rng.choice(_NEAR_MISSES)
+        wrong = total + 1
     return f"#### {wrong}"
 
 

@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import numbers
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,7 @@ class RewardManager:
         self.num_workers = num_workers
         self.parallel_min_batch = parallel_min_batch
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     def __call__(self, batch: Any) -> RewardOutput:
         responses = batch["responses"]
@@ -102,15 +104,19 @@ class RewardManager:
         scores = at_last_token(torch.tensor([result.score for result in results]), batch["response_mask"])
         return RewardOutput(scores, self._extra_fields(results), sum(result.error is not None for result in results))
 
-    def score_tasks(self, tasks: Sequence[tuple[str, str, Any, dict]]) -> list[SampleScore]:
+    def score_tasks(self, tasks: Sequence[tuple[str, str, Any, dict]], *, pooled: bool | None = None
+                    ) -> list[SampleScore]:
         """Scores of (data_source, response text, ground truth, extra_info) tasks, in order; a failing scorer gives
-        0 and an error for its task only."""
+        0 and an error for its task only. `pooled`: score in the worker processes (None: when there are workers
+        and at least `parallel_min_batch` tasks). Safe to call from several threads at once."""
         tasks = list(tasks)
         check_data_sources([task[0] for task in tasks], self.scorers)
         if not tasks:
             return []
         results = None
-        if self.num_workers > 0 and len(tasks) >= self.parallel_min_batch:
+        if pooled is None:
+            pooled = len(tasks) >= self.parallel_min_batch
+        if self.num_workers > 0 and pooled:
             results = self._score_in_pool(tasks)
         if results is None:
             results = [score_sample(self.scorers[task[0]], *task[1:]) for task in tasks]
@@ -124,17 +130,19 @@ class RewardManager:
     def _score_in_pool(self, tasks: list[tuple[str, str, str, dict]]) -> list[SampleScore] | None:
         """Score in the worker pool; None (after a warning) when the pool itself fails, e.g. a worker died."""
         try:
-            if self._pool is None:
-                # spawn, not fork: the trainer process holds threads (Ray, torch)
-                # that a forked child would inherit in an inconsistent state.
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self.num_workers,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=install_worker_scorers,
-                    initargs=(self.scorers,),
-                )
+            with self._pool_lock:
+                if self._pool is None:
+                    # spawn, not fork: the trainer process holds threads (Ray, torch)
+                    # that a forked child would inherit in an inconsistent state.
+                    self._pool = concurrent.futures.ProcessPoolExecutor(
+                        max_workers=self.num_workers,
+                        mp_context=multiprocessing.get_context("spawn"),
+                        initializer=install_worker_scorers,
+                        initargs=(self.scorers,),
+                    )
+                pool = self._pool
             chunk = max(1, len(tasks) // (4 * self.num_workers))
-            return list(self._pool.map(score_task, tasks, chunksize=chunk))
+            return list(pool.map(score_task, tasks, chunksize=chunk))
         except Exception as error:  # scoring must not kill the run; fall back to in-process
             logger.warning("reward worker pool failed (%s: %s); scoring in-process", type(error).__name__, error)
             self.close()
