@@ -53,9 +53,9 @@ def test_recipe_options_reach_the_modes():
                                        "fail_score": -3.0}
 
 
-def _problems(*overrides: str) -> list[str]:
+def _problems(*overrides: str, recipe: Path = QUICKSTART) -> list[str]:
     with pytest.raises(InputError) as error:
-        load_recipe(QUICKSTART, list(overrides))
+        load_recipe(recipe, list(overrides))
     return error.value.problems
 
 
@@ -74,3 +74,23 @@ def test_recipe_checks_name_the_key():
     both = _problems("reward.remote={url: 'http://127.0.0.1:9/score'}",
                      "reward.judge={model_path: /nowhere, prompt_template: 'rate {response}'}")
     assert any("reward.remote: at most one model-side scorer" in line for line in both)
+
+
+def test_the_reward_model_gets_its_own_pool_and_layout():
+    from megarl.config import layout_summary
+
+    recipe = load_recipe(QUICKSTART.parent / "quickstart-rm-cpu.yaml", [
+        "placement.device=cuda", "placement.gpus_per_node=8", "placement.colocate=false", "rollout.backend=sglang",
+        "weight_sync.transport=distributed",
+        "placement.pools={train: {gpus_per_node: 4}, gen: {gpus_per_node: 2}, rm: {gpus_per_node: 2}}",
+        "placement.roles={actor: train, reference: train, rollout: gen, reward_model: rm}",
+        "reward_model.parallel.tp=2", "rollout.num_servers=2", "reward_model.train.micro_batch_size=32"])
+    assert recipe.reward_model.parallel.dp == 1  # filled in like every active training role's
+    assert "#   reward_model pool rm (1x2)  world 2  tp 2  pp 1  vpp -  ep 1  dp 1  sp off" in [
+        f"#   {line}" for line in layout_summary(recipe)]
+    # Before train-rm has written it, the reward model's shape is that of the checkpoint training starts from.
+    lines = _problems("reward_model.parallel.tp=3", recipe=QUICKSTART.parent / "quickstart-rm-cpu.yaml")
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "reward_model.parallel.tp: world size 1 (pool 'colocated') is not divisible by tp*pp = 3*1 (got 3)",
+        "reward_model.parallel.tp: num_attention_heads = 8 is not divisible by tp (got 3)",
+        "reward_model.parallel.tp: num_key_value_heads = 4 is not divisible by tp (got 3)"]

@@ -41,7 +41,7 @@ def _overrides(tmp_path: Path) -> list[str]:
         _pairs(128, 2), tmp_path / "pairs" / "val.parquet")
     return [f"trainer.output_dir={tmp_path}", f"reward_model.path={tmp_path / 'rm'}", "trainer.logging.console=false",
             "reward_model.train.synthetic=null", f"reward_model.train.train_files=[{train}]",
-            f"reward_model.train.val_files=[{val}]",
+            f"reward_model.train.val_files=[{val}]", "reward_model.train.sft_steps=0",
             "reward_model.train.optim.lr=1e-3", "reward_model.train.mini_batch_size=32",
             "reward_model.train.micro_batch_size=16", "reward_model.train.val_every=10"]
 

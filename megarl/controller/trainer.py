@@ -3,8 +3,9 @@
 `Trainer.step()` reads top to bottom like that table, one call per phase, each
 timed under `timing_s/<phase>`. The reward phase starts during generation (each row
 is scored once generated); `timing_s/reward` is the part left after generation,
-`timing_s/reward_total` all the time scoring was in progress. The roles (actor, reference, critic, rollout,
-reward) are built by `megarl.controller.run` and handed in ready to use.
+`timing_s/reward_total` all the time scoring was in progress. The roles (actor,
+reference, critic, rollout, reward loop) are built by `megarl.controller.run` and
+handed in ready to use.
 """
 
 from __future__ import annotations
