@@ -94,3 +94,13 @@ def test_the_reward_model_gets_its_own_pool_and_layout():
         "reward_model.parallel.tp: world size 1 (pool 'colocated') is not divisible by tp*pp = 3*1 (got 3)",
         "reward_model.parallel.tp: num_attention_heads = 8 is not divisible by tp (got 3)",
         "reward_model.parallel.tp: num_key_value_heads = 4 is not divisible by tp (got 3)"]
+
+
+def test_gpu_memory_of_a_colocated_judge_and_the_score_heads_layout_are_checked():
+    rm_recipe = QUICKSTART.parent / "quickstart-rm-cpu.yaml"
+    judge = "reward.judge={model_path: /x, prompt_template: '{response}', mem_fraction: 0.5}"
+    (line,) = _problems("placement.device=cuda", "rollout.backend=sglang", "reward_model=null", judge,
+                        recipe=rm_recipe)
+    assert "reward.judge.mem_fraction: the judge shares pool 'colocated' with the rollout" in line
+    lines = _problems("reward_model.parallel.sequence_parallel=true", recipe=rm_recipe)
+    assert any("reward_model.parallel.sequence_parallel: not supported by the score head" in x for x in lines)
