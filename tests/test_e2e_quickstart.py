@@ -19,7 +19,7 @@ from megarl.errors import InputError
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 
-TIMING_KEYS = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step"]
+TIMING_KEYS = ["gen", "reward", "reward_total", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "step"]
 METRIC_KEYS = [
     *(f"critic/{group}/{stat}" for group in ("score", "rewards", "advantages", "returns")
       for stat in ("mean", "max", "min")),
