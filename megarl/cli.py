@@ -70,6 +70,18 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_rm(args: argparse.Namespace) -> int:
+    from megarl.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    from megarl.controller.rm_training import train_reward_model
+
+    result = train_reward_model(recipe, ray_address=args.ray_address)
+    print(f"reward model written: {result.path} (validation accuracy {result.val_accuracy:.3f} after {result.steps} "
+          "steps)")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from megarl.engines.export import export_checkpoint
 
@@ -124,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--compare", type=Path, nargs="+", default=[], metavar="RUN_DIR",
                       help="other run directories drawn in the same panels")
     plot.set_defaults(run=_cmd_plot)
+
+    train_rm = verbs.add_parser(
+        "train-rm", help="fit the recipe's reward model to preference pairs (Bradley-Terry), write it as HF"
+    )
+    _add_recipe_args(train_rm)
+    train_rm.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    train_rm.set_defaults(run=_cmd_train_rm)
 
     export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl checkpoint")
     export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")

@@ -111,4 +111,6 @@ ADVANTAGE_ESTIMATORS = Registry("advantage estimator", builtins="megarl.algorith
 LOSS_AGG_MODES = Registry("loss_agg_mode", builtins="megarl.algorithms.losses")
 KL_PENALTIES = Registry("KL penalty kind", builtins="megarl.algorithms.kl")
 REWARD_SCORERS = Registry("built-in scorer", builtins="megarl.rewards.registry")
+REWARD_COMBINE_MODES = Registry("reward.combine mode", builtins="megarl.rewards.combine")
+JUDGE_PARSERS = Registry("judge parser", builtins="megarl.rewards.judge")
 WEIGHT_SYNC_TRANSPORTS = Registry("weight-sync transport", builtins="megarl.weightsync")

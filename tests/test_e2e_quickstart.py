@@ -20,8 +20,8 @@ from megarl.controller.run import train
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 
-TIMING_KEYS = ["gen", "onload", "reward", "old_log_prob", "ref", "adv", "update_actor", "offload", "update_weights",
-               "step"]
+TIMING_KEYS = ["gen", "onload", "reward", "reward_total", "old_log_prob", "ref", "adv", "update_actor", "offload",
+               "update_weights", "step"]
 METRIC_KEYS = [
     *(f"critic/{group}/{stat}" for group in ("score", "rewards", "advantages", "returns")
       for stat in ("mean", "max", "min")),

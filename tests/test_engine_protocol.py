@@ -1,4 +1,4 @@
-"""The TrainEngine seam: both Megatron engines offer every protocol method with the protocol's signature,
+"""The TrainEngine seam: the Megatron engines offer every protocol method with the protocol's signature,
 and the controller reaches engines through those methods alone (an ast walk of megarl/controller)."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ MEMBERS = sorted(name for name, value in vars(TrainEngine).items()
 
 def test_the_protocol_covers_the_engine_phases():
     assert MEMBERS == sorted([
-        "compute_log_prob", "compute_values", "update", "sft_step", "weight_shards", "hf_state_dict",
+        "compute_log_prob", "compute_values", "compute_scores", "update", "sft_step", "weight_shards", "hf_state_dict",
         "load_hf_state_dict", "save_checkpoint", "load_checkpoint", "load_policy_checkpoint", "reset_optimizer_state",
         "offload", "onload",
     ])
 
 
-@pytest.mark.parametrize("engine", ["actor.PolicyEngine", "critic.ValueEngine"])
+@pytest.mark.parametrize("engine", ["actor.PolicyEngine", "critic.ValueEngine", "reward_model.RewardModelEngine"])
 def test_megatron_engines_implement_it_with_the_same_signatures(engine):
     import importlib
 

@@ -109,9 +109,13 @@ def test_dispatch_retries_unreachable_and_aborted_samples_and_stores_each_row_on
 
     targets = FakeTargets(["http://dead", "http://alive"])
     prompts = [[1], [1], [2], [2], [3]]
+    reported: list[tuple[int, GenerationResult]] = []
     results = asyncio.run(generate_rows(prompts, [[0, 1], [2, 3], [4]], sampling={"max_new_tokens": 1}, seed=7,
-                                        targets=targets, request=request, max_attempts=4))
+                                        targets=targets, request=request, max_attempts=4,
+                                        on_rows=lambda rows, outputs: reported.extend(zip(rows, outputs))))
     assert [r.output_ids for r in results] == [[sample_seed(7, row) % 1000] for row in range(5)]
+    # The reward loop hears about every row exactly once, with its final (never an aborted) result.
+    assert sorted(reported, key=lambda item: item[0]) == list(enumerate(results))
     assert all(r.finish_reason == "stop" for r in results)
     # Aborted rows 1 and 3 went out again on their own, with their own seeds.
     assert ("http://alive", [sample_seed(7, 1)]) in sent and ("http://alive", [sample_seed(7, 3)]) in sent

@@ -96,7 +96,7 @@ def test_timing_metrics():
     metrics = compute_timing_metrics({"gen": 12.5, "update_actor": 3, "step": 20.0})
     assert metrics == {"timing_s/gen": 12.5, "timing_s/update_actor": 3.0, "timing_s/step": 20.0}
     assert TIMING_PHASES == (
-        "gen", "onload", "reward", "old_log_prob", "ref", "values", "adv",
+        "gen", "onload", "reward", "reward_total", "old_log_prob", "ref", "values", "adv",
         "update_critic", "update_actor", "offload", "update_weights", "step",
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"unknown timing phase\(s\) \['generate'\]; known: gen, onload, reward"):

@@ -19,6 +19,7 @@ TIMING_PHASES = (
     "gen",
     "onload",
     "reward",
+    "reward_total",
     "old_log_prob",
     "ref",
     "values",
@@ -143,3 +144,17 @@ def rollout_logprob_diff(
     """
     diff = (rollout_log_probs.double() - old_log_probs.double()).abs()
     return masked_mean(diff, response_mask).item()
+
+
+@torch.no_grad()
+def rm_score_metrics(
+    rm_scores: torch.Tensor, rule_scores: torch.Tensor, has_response: torch.Tensor
+) -> dict[str, float]:
+    """`reward/rm_score/{mean,max,min}` of the model-side scores [B] and `reward/rm_rule_corr`, their Pearson
+    correlation with the rule scores [B] (NaN when either is constant), over the rows with a response (bool [B])."""
+    model, rule = rm_scores[has_response].double(), rule_scores[has_response].double()
+    metrics = _mean_max_min("reward/rm_score", model)
+    correlated = model.numel() > 1 and model.std() > 0 and rule.std() > 0
+    corr = torch.corrcoef(torch.stack([model, rule]))[0, 1].item() if correlated else float("nan")
+    metrics["reward/rm_rule_corr"] = corr
+    return metrics

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from megarl.config.layout import TRAINING_ROLES, active_roles, role_parallel, role_pool, rollout_layout, training_layout
 from megarl.config.schema import Recipe, read_hf_config
 from megarl.errors import InputError
-from megarl.registry import ADVANTAGE_ESTIMATORS, WEIGHT_SYNC_TRANSPORTS
+from megarl.registry import ADVANTAGE_ESTIMATORS, REWARD_COMBINE_MODES, WEIGHT_SYNC_TRANSPORTS
 
 MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -281,6 +282,75 @@ def _check_algorithm_and_data(recipe: Recipe, shape: dict[str, int] | None) -> l
     return problems
 
 
+def _reward_model_config(recipe: Recipe) -> dict[str, Any]:
+    """The reward model's HF config: its checkpoint's, or before `megarl train-rm` has written it, the config of
+    the checkpoint training starts from (the policy's when `train.init_path` is null)."""
+    rm = recipe.reward_model
+    if (Path(rm.path).expanduser() / "config.json").exists() or rm.train is None:
+        config = read_hf_config(rm.path, key="reward_model.path")
+        architectures = config.get("architectures") or []
+        labels = config.get("num_labels", len(config.get("id2label") or {}) or None)
+        if not any(name.endswith("ForSequenceClassification") for name in architectures) or labels != 1:
+            raise InputError(f"reward_model.path: {rm.path}/config.json is not a *ForSequenceClassification model "
+                             f"with one label (architectures {architectures}, num_labels {labels})")
+        return config
+    if rm.train.init_path is not None:
+        return read_hf_config(rm.train.init_path, key="reward_model.train.init_path")
+    return recipe.model.hf_config()
+
+
+def _check_reward(recipe: Recipe) -> list[Problem]:
+    reward, problems = recipe.reward, []
+    model_side = [key for key, section in (("reward_model", recipe.reward_model), ("reward.judge", reward.judge),
+                                           ("reward.remote", reward.remote)) if section is not None]
+    if len(model_side) > 1:
+        problems.append(_problem(model_side[1], "at most one model-side scorer; the recipe also sets "
+                                 + " and ".join(key for key in model_side if key != model_side[1]), "a section",
+                                 verbatim=True))
+    mode = REWARD_COMBINE_MODES.get(reward.combine)
+    if mode.uses_rm and not model_side:
+        problems.append(_problem("reward.combine", "needs a model-side score: configure reward_model, reward.judge "
+                                 "or reward.remote", reward.combine))
+    if reward.combine == "rule_gated" and reward.gate.fail_score is None:
+        problems.append(_problem("reward.gate.fail_score", "required with reward.combine: rule_gated", None))
+    if reward.judge is not None and role_pool(recipe.placement, "judge") is not None:
+        fleet = rollout_layout(recipe, "judge")
+        if fleet.world_size > fleet.pool.size:
+            problems.append(_problem("reward.judge.num_servers", f"num_servers*tp = {fleet.num_servers}*{fleet.tp} "
+                                     f"exceeds pool {fleet.pool.name!r} of size {fleet.pool.size}",
+                                     fleet.num_servers))
+        shared = role_pool(recipe.placement, "rollout") == fleet.pool
+        total = recipe.rollout.mem_fraction + reward.judge.mem_fraction
+        if shared and recipe.placement.device == "cuda" and total > 1.0:
+            problems.append(_problem("reward.judge.mem_fraction", f"the judge shares pool {fleet.pool.name!r} with the "
+                                     f"rollout: rollout.mem_fraction + reward.judge.mem_fraction = {total:g} > 1",
+                                     reward.judge.mem_fraction))
+    if recipe.reward_model is not None and recipe.reward_model.parallel.sequence_parallel:
+        # Megatron gathers a sequence-parallel sequence inside its LM output layer; the score head replacing it
+        # reads whole sequences.
+        problems.append(_problem("reward_model.parallel.sequence_parallel", "not supported by the score head", True))
+    return problems
+
+
+def _check_reward_model_training(recipe: Recipe) -> list[Problem]:
+    train = recipe.reward_model.train
+    if train is None:
+        return []
+    problems = []
+    if not train.train_files and train.synthetic is None:
+        problems.append(_problem("reward_model.train.train_files", "give train_files or synthetic", []))
+    if train.train_files and train.synthetic is not None:
+        problems.append(_problem("reward_model.train.synthetic", "give train_files or synthetic, not both",
+                                 train.synthetic.task))
+    if train.synthetic is None and not train.val_files:
+        problems.append(_problem("reward_model.train.val_files", "validation accuracy needs val_files", []))
+    layout = training_layout(recipe, "reward_model")
+    if layout.dp is not None and train.mini_batch_size % (train.micro_batch_size * layout.dp):
+        message = f"must be divisible by micro_batch_size * dp = {train.micro_batch_size}*{layout.dp}"
+        problems.append(_problem("reward_model.train.mini_batch_size", message, train.mini_batch_size))
+    return problems
+
+
 def check_recipe(recipe: Recipe) -> list[Problem]:
     """Every cross-field problem of a field-valid recipe (empty when it is consistent)."""
     problems = _check_model_source(recipe)
@@ -296,13 +366,20 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
             partial(read_hf_config, recipe.critic.model_path, key="critic.model_path"), "critic.model_path"
         )
         problems += critic_problems
+    shapes = {"critic": critic_shape}
+    if recipe.reward_model is not None:
+        shapes["reward_model"], rm_problems = _load_shape(partial(_reward_model_config, recipe), "reward_model.path")
+        problems += rm_problems
     problems += _check_placement(recipe)
     for role in active_roles(recipe):
         if role in TRAINING_ROLES:
-            problems += _check_training_role(recipe, role, critic_shape if role == "critic" else shape)
+            problems += _check_training_role(recipe, role, shapes.get(role, shape))
     for role in ("actor", "critic"):
         if role in active_roles(recipe) and role_pool(recipe.placement, role) is not None:
             problems += _check_batches(recipe, role)
     problems += _check_rollout(recipe, shape)
     problems += _check_algorithm_and_data(recipe, shape)
+    problems += _check_reward(recipe)
+    if recipe.reward_model is not None and role_pool(recipe.placement, "reward_model") is not None:
+        problems += _check_reward_model_training(recipe)
     return problems

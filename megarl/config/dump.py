@@ -9,10 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from megarl.config.layout import TRAINING_ROLES, RolloutLayout, TrainingLayout, active_roles, resolve_layout
+from megarl.config.layout import (
+    FLEET_ROLES,
+    TRAINING_ROLES,
+    RolloutLayout,
+    TrainingLayout,
+    active_roles,
+    resolve_layout,
+)
 from megarl.config.loader import BASE_KEY
 from megarl.config.schema import Recipe
 from megarl.config.yamlio import dump_yaml
+
+OPTIONAL_ROLES = ("reward_model", "judge")
 
 
 def _unused_reason(recipe: Recipe, role: str) -> str:
@@ -42,7 +51,9 @@ def layout_summary(recipe: Recipe) -> list[str]:
         f" = {placement.nodes * placement.gpus_per_node}"
     ]
     layouts, active = resolve_layout(recipe), active_roles(recipe)
-    for role in (*TRAINING_ROLES, "rollout"):
+    # The reward side's roles are optional features: listed only when the recipe uses them.
+    shown = [role for role in (*TRAINING_ROLES, *FLEET_ROLES) if role not in OPTIONAL_ROLES or role in active]
+    for role in shown:
         lines.append(
             _role_line(role, layouts[role]) if role in active else f"{role:<10} {_unused_reason(recipe, role)}"
         )

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from megarl.config.schema import PlacementConfig, Recipe
 from megarl.config.training import Parallel
 
-TRAINING_ROLES = ("actor", "critic", "reference")
+TRAINING_ROLES = ("actor", "critic", "reference", "reward_model")
+FLEET_ROLES = ("rollout", "judge")
 COLOCATED_POOL = "colocated"
 
 
@@ -57,13 +58,18 @@ class RolloutLayout:
 
 
 def active_roles(recipe: Recipe) -> tuple[str, ...]:
-    """Roles this recipe starts: actor and rollout always, critic iff configured, reference iff KL is used."""
+    """Roles `megarl train` starts: actor and rollout always, critic and reward_model iff configured,
+    reference iff KL is used, judge iff reward.judge is configured."""
     roles = ["actor"]
     if recipe.critic is not None:
         roles.append("critic")
     if recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss:
         roles.append("reference")
+    if recipe.reward_model is not None:
+        roles.append("reward_model")
     roles.append("rollout")
+    if recipe.reward.judge is not None:
+        roles.append("judge")
     return tuple(roles)
 
 
@@ -86,6 +92,10 @@ def role_parallel(recipe: Recipe, role: str) -> Parallel:
         return recipe.critic.parallel
     if role == "reference":
         return recipe.reference.parallel
+    if role == "reward_model":
+        if recipe.reward_model is None:
+            raise ValueError("role_parallel: the recipe has no reward_model section")
+        return recipe.reward_model.parallel
     raise ValueError(f"role_parallel: {role!r} is not one of {TRAINING_ROLES}")
 
 
@@ -109,17 +119,19 @@ def training_layout(recipe: Recipe, role: str) -> TrainingLayout:
     )
 
 
-def rollout_layout(recipe: Recipe) -> RolloutLayout:
-    """Resolved rollout fleet; ValueError when its pool does not resolve (validate first)."""
-    pool = role_pool(recipe.placement, "rollout")
+def rollout_layout(recipe: Recipe, role: str = "rollout") -> RolloutLayout:
+    """Resolved fleet of `role` ("rollout", or "judge" when reward.judge is set); ValueError when its pool
+    does not resolve (validate first)."""
+    pool = role_pool(recipe.placement, role)
     if pool is None:
-        raise ValueError("rollout_layout: role 'rollout' has no pool in placement")
-    return RolloutLayout(pool=pool, num_servers=recipe.rollout.num_servers, tp=recipe.rollout.tp)
+        raise ValueError(f"rollout_layout: role {role!r} has no pool in placement")
+    fleet = recipe.rollout if role == "rollout" else recipe.reward.judge
+    return RolloutLayout(pool=pool, num_servers=fleet.num_servers, tp=fleet.tp)
 
 
 def resolve_layout(recipe: Recipe) -> dict[str, TrainingLayout | RolloutLayout]:
     """Layout of every active role, in `active_roles` order."""
     return {
-        role: rollout_layout(recipe) if role == "rollout" else training_layout(recipe, role)
+        role: rollout_layout(recipe, role) if role in FLEET_ROLES else training_layout(recipe, role)
         for role in active_roles(recipe)
     }

@@ -14,13 +14,13 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
+from megarl.config.reward import RewardConfig, RewardModelConfig
 from megarl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, ReferenceConfig, Section, registered
-from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.errors import InputError
+from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 
 WeightSyncTransport = registered(WEIGHT_SYNC_TRANSPORTS)
-Role = Literal["actor", "critic", "reference", "rollout"]
-_SCORER_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+Role = Literal["actor", "critic", "reference", "rollout", "reward_model", "judge"]
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -138,26 +138,6 @@ class RolloutConfig(Section):
         return value
 
 
-class RewardConfig(Section):
-    scorers: dict[str, str] = Field(
-        default_factory=dict, description="data_source -> 'module.path:function' custom scorer"
-    )
-    gsm8k_method: Literal["strict", "flexible"] = Field(
-        "strict", description="strict: last '#### <number>'; flexible: last number"
-    )
-    format_score: float = Field(0.0, description="score of a well-formed but wrong answer")
-    score: float = Field(1.0, description="score of a correct answer")
-    num_workers: NonNegativeInt = Field(0, description="scoring processes; 0 = score in the controller")
-
-    @field_validator("scorers")
-    @classmethod
-    def _scorer_specs(cls, scorers: dict[str, str]) -> dict[str, str]:
-        bad = {source: spec for source, spec in scorers.items() if not _SCORER_SPEC.match(spec)}
-        if bad:
-            raise ValueError(f"scorers must look like 'package.module:function': {bad}")
-        return scorers
-
-
 class PoolSpec(Section):
     nodes: PositiveInt = Field(1, description="nodes in this pool")
     gpus_per_node: PositiveInt = Field(1, description="devices (on CPU: processes) per node in this pool")
@@ -168,7 +148,9 @@ class PlacementConfig(Section):
     nodes: PositiveInt = Field(1, description="nodes of the allocation")
     gpus_per_node: PositiveInt = Field(1, description="devices per node (on CPU: processes per node)")
     colocate: bool = Field(
-        True, description="actor, critic, reference and rollout share one pool of nodes*gpus_per_node"
+        True,
+        description="every role (actor, critic, reference, rollout, reward_model, judge) shares one pool of "
+        "nodes*gpus_per_node"
     )
     pools: dict[str, PoolSpec] = Field(
         default_factory=dict, description="named resource pools for disaggregated placement (colocate: false)"
@@ -290,7 +272,12 @@ class Recipe(Section):
     critic: CriticConfig | None = Field(None, description="value model; required iff adv_estimator is 'gae'")
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="reference policy")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation fleet")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="rule scorers")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="rule scorers, the model-side score and how they combine"
+    )
+    reward_model: RewardModelConfig | None = Field(
+        None, description="model side: a Megatron reward model scoring every row (and `megarl train-rm`)"
+    )
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="devices and resource pools")
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="trainer -> rollout sync")
     trainer: TrainerConfig = Field(description="step loop, validation, logging, checkpoints")

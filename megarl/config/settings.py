@@ -80,6 +80,19 @@ class ValueUpdateSettings:
 
 
 @dataclass(frozen=True)
+class PreferenceUpdateSettings:
+    """One reward-model update (`megarl train-rm`): `epochs` passes over the rows' pairs in mini-batches of
+    `mini_batch_size` pairs per DP rank, one optimizer step each, with the Bradley-Terry loss; `batching`
+    counts pairs per micro-batch."""
+
+    epochs: int
+    mini_batch_size: int
+    batching: Batching
+    shuffle: bool
+    seed: int
+
+
+@dataclass(frozen=True)
 class WeightSyncSettings:
     """How the actor's weights reach the rollout fleet (`weight_sync` in the recipe); `disk_dir` is the run-local
     directory the disk transport writes to."""
@@ -99,7 +112,10 @@ def _updates_per_step(recipe: Recipe, section) -> int:
 def optimizer_settings(recipe: Recipe, role: str) -> OptimizerSettings:
     """The optimizer of trainable role `role` ("actor" or "critic")."""
     section = recipe.actor if role == "actor" else recipe.critic
-    optim = section.optim
+    return _optimizer(section.optim, total_steps=recipe.trainer.total_steps * _updates_per_step(recipe, section))
+
+
+def _optimizer(optim, *, total_steps: int) -> OptimizerSettings:
     return OptimizerSettings(
         lr=optim.lr,
         weight_decay=optim.weight_decay,
@@ -109,7 +125,7 @@ def optimizer_settings(recipe: Recipe, role: str) -> OptimizerSettings:
         warmup_steps=optim.warmup_steps,
         schedule=optim.schedule,
         min_lr=optim.min_lr,
-        total_steps=recipe.trainer.total_steps * _updates_per_step(recipe, section),
+        total_steps=total_steps,
     )
 
 
@@ -174,3 +190,30 @@ def weight_sync_settings(recipe: Recipe, run_dir: Path) -> WeightSyncSettings:
         timeout_s=sync.timeout_s,
         disk_dir=str(Path(run_dir) / "weight_sync"),
     )
+
+
+def reward_scoring_batching(recipe: Recipe) -> Batching:
+    """Micro-batches of the reward model's scoring forwards (rows per DP rank)."""
+    rm = recipe.reward_model
+    return Batching(rm.micro_batch_size, rm.max_tokens_per_microbatch)
+
+
+def reward_model_optimizer_settings(recipe: Recipe, *, train_pairs: int) -> OptimizerSettings:
+    """The reward model's optimizer for `megarl train-rm` over `train_pairs` pairs (epochs x full mini-batches)."""
+    train = recipe.reward_model.train
+    return _optimizer(train.optim, total_steps=train.epochs * (train_pairs // train.mini_batch_size))
+
+
+def preference_update_settings(recipe: Recipe) -> PreferenceUpdateSettings:
+    """One optimizer step per call: the driver hands each call one global mini-batch of pairs."""
+    train = recipe.reward_model.train
+    per_rank = _per_rank(recipe, "reward_model", train.mini_batch_size)
+    return PreferenceUpdateSettings(epochs=1, mini_batch_size=per_rank,
+                                    batching=Batching(train.micro_batch_size, None), shuffle=False, seed=recipe.seed)
+
+
+def combine_options(recipe: Recipe) -> dict[str, float | None]:
+    """The keyword options of the `reward.combine` modes (each mode takes the ones it declares)."""
+    reward = recipe.reward
+    return {"rule_weight": reward.weights.rule, "rm_weight": reward.weights.rm,
+            "pass_threshold": reward.gate.pass_threshold, "fail_score": reward.gate.fail_score}

@@ -32,7 +32,8 @@ class RunData:
     train_batches: PromptLoader
     val_dataset: RLDataset | None
     val_batch_size: int
-    reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
+    reward_manager: RewardManager  # the rule scorers by data_source
+    reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]  # the rule reward of a whole batch
     kl_ctrl: Any
 
     def val_batches(self) -> Iterator[Batch]:
@@ -81,6 +82,7 @@ def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
         train_batches=loader,
         val_dataset=val_dataset,
         val_batch_size=data.val_batch_size or max(len(val_dataset), 1) if val_dataset else 1,
+        reward_manager=manager,
         reward_fn=reward_fn,
         kl_ctrl=kl_ctrl,
     )

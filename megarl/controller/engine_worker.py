@@ -1,4 +1,4 @@
-"""The Ray actor that hosts one rank of a training engine (actor, reference or critic).
+"""The Ray actor that hosts one rank of a training engine (actor, reference, critic or reward model).
 
 The controller creates one per rank (see `WorkerGroup`), initialises torch
 distributed + Megatron parallel state in each, builds the engine, then calls one
@@ -10,6 +10,7 @@ the output (TP rank > 0, or not the last pipeline stage) return None.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import resource
 import socket
 from typing import Any
@@ -17,10 +18,11 @@ from typing import Any
 import torch
 
 from megarl.config.settings import Batching, OptimizerSettings, WeightSyncSettings
+from megarl.controller.worker_group import WorkerGroup
 from megarl.ports import free_port
 from megarl.protocol import Batch
 
-ENGINE_KINDS = ("policy", "value")
+ENGINE_KINDS = ("policy", "value", "reward")
 
 
 def _redirect_output(log_path: str) -> None:
@@ -55,7 +57,7 @@ class MegatronWorker:
                     weights: str | None, seed: int, params_dtype: str, transformer_impl: str,
                     optimizer: OptimizerSettings | None) -> None:
         """Join the engine's process group and build its `kind` engine ("policy": actor or, without an
-        optimizer, the frozen reference; "value": the critic)."""
+        optimizer, the frozen reference; "value": the critic; "reward": the reward model)."""
         from megarl.engines.distributed import init_distributed
 
         if kind not in ENGINE_KINDS:
@@ -69,10 +71,14 @@ class MegatronWorker:
             from megarl.engines.actor import PolicyEngine
 
             self.engine = PolicyEngine(**common)
-        else:
+        elif kind == "value":
             from megarl.engines.critic import ValueEngine
 
             self.engine = ValueEngine(**common)
+        else:
+            from megarl.engines.reward_model import RewardModelEngine
+
+            self.engine = RewardModelEngine(**common)
 
     def parallel_layout(self) -> dict[str, Any]:
         from megarl.engines.distributed import parallel_layout
@@ -93,8 +99,11 @@ class MegatronWorker:
     def compute_values(self, shard: Batch, *, batching: Batching) -> Batch | None:
         return self._output(Batch.from_dict({"values": self.engine.compute_values(shard, batching=batching)}))
 
+    def compute_scores(self, shard: Batch, *, batching: Batching) -> Batch | None:
+        return self._output(Batch.from_dict({"scores": self.engine.compute_scores(shard, batching=batching)}))
+
     def update(self, shard: Batch, settings) -> dict[str, float] | None:
-        """One PPO update (policy or value, by the engine) on this rank's shard."""
+        """One update (PPO policy or value, or Bradley-Terry, by the engine) on this rank's shard."""
         return self._output(self.engine.update(shard, settings))
 
     def sft_step(self, shard: Batch, *, batching: Batching, lr: float) -> dict[str, float] | None:
@@ -150,3 +159,16 @@ class MegatronWorker:
         if self._weight_sync is not None:
             self._weight_sync.close()
             self._weight_sync = None
+
+
+def start_engine_group(pool, *, name: str, kind: str, parallel: dict, hf_config: dict, weights: str | None, seed: int,
+                       params_dtype: str, transformer_impl: str, optimizer: OptimizerSettings | None,
+                       log_dir: Path | None) -> WorkerGroup:
+    """`pool.world_size` ranks hosting one engine of `kind` (see `MegatronWorker.init_engine`); each rank's
+    output goes to `<log_dir>/<name>-<rank>.log`."""
+    group = WorkerGroup(MegatronWorker, pool, name=name, log_dir=log_dir)
+    master_addr, master_port = group.run_rank(0, "master_endpoint")
+    group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port, parallel=parallel,
+              hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype,
+              transformer_impl=transformer_impl, optimizer=optimizer)
+    return group

@@ -1,4 +1,4 @@
-"""The controller's side of the rollout fleet: a `megarl.rollout.fleet.RolloutFleet` built from a recipe.
+"""The controller's side of the rollout fleets: the policy's and the LLM judge's `RolloutFleet`, built from a recipe.
 
 One server per `rollout.tp` slots of the rollout pool, each owned by a Ray
 actor on its first slot with the pool's per-role share of the bundle; on GPUs
@@ -17,7 +17,7 @@ from megarl.controller.placement import ResourcePool
 from megarl.rollout.fleet import RolloutFleet
 from megarl.rollout.server_host import HostPlacement, ServerSpec
 
-__all__ = ["RolloutFleet", "start_rollout_fleet"]
+__all__ = ["RolloutFleet", "start_judge_fleet", "start_rollout_fleet"]
 
 
 def start_rollout_fleet(
@@ -53,6 +53,35 @@ def start_rollout_fleet(
         router_policy=rollout.router_policy,
         use_ray=True,
         placements=host_placements(pool, num_servers=rollout.num_servers, tp=rollout.tp),
+    )
+
+
+def start_judge_fleet(recipe: Recipe, *, pool: ResourcePool, tokenizer: Any, api_key: str,
+                      log_dir: Path) -> RolloutFleet:
+    """Start `reward.judge.num_servers` judge servers on `pool` (the rollout's backend, fixed weights)."""
+    judge = recipe.reward.judge
+    spec = ServerSpec(
+        backend=recipe.rollout.backend,
+        model_path=judge.model_path,
+        tokenizer_path=judge.tokenizer or judge.model_path,
+        log_dir=str(log_dir),
+        api_key=api_key,
+        bind=recipe.rollout.host,
+        threads=judge.engine_threads,
+        tp=judge.tp,
+        mem_fraction=judge.mem_fraction,
+        sglang_args=dict(judge.sglang),
+    )
+    return RolloutFleet(
+        spec,
+        num_servers=judge.num_servers,
+        max_response_length=judge.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        stop_token_ids=[tokenizer.eos_token_id],
+        seed=recipe.seed,
+        max_concurrency=judge.max_concurrency,
+        use_ray=True,
+        placements=host_placements(pool, num_servers=judge.num_servers, tp=judge.tp),
     )
 
 

@@ -42,11 +42,31 @@ def _checkpoint_problems(key: str, path: str | None) -> list[str]:
 
 
 def check_checkpoints(recipe: Recipe) -> list[str]:
-    """The model and critic checkpoints the engines will read."""
+    """The model, critic, reward-model and judge checkpoints `megarl train` will read."""
     problems = _checkpoint_problems("model.path", recipe.model.path)
     if recipe.critic is not None:
         problems += _checkpoint_problems("critic.model_path", recipe.critic.model_path)
+    if recipe.reward_model is not None:
+        reward_model = _checkpoint_problems("reward_model.path", recipe.reward_model.path)
+        if reward_model and recipe.reward_model.train is not None:
+            reward_model = [f"{line}; `megarl train-rm` writes it" for line in reward_model]
+        problems += reward_model
+    if recipe.reward.judge is not None:
+        problems += _checkpoint_problems("reward.judge.model_path", recipe.reward.judge.model_path)
     return problems
+
+
+def check_reward_model_training(recipe: Recipe) -> list[str]:
+    """What `megarl train-rm` needs: a reward_model.train section, a free output path, its starting checkpoint."""
+    rm = recipe.reward_model
+    if rm is None or rm.train is None:
+        return ["reward_model.train: `megarl train-rm` needs a reward_model section with a train section (got None)"]
+    problems = []
+    if Path(rm.path).expanduser().exists():
+        problems.append(f"reward_model.path: {rm.path} already exists; train-rm never overwrites a reward model "
+                        f"(remove it or choose another path) (got {rm.path!r})")
+    problems += _checkpoint_problems("reward_model.train.init_path", rm.train.init_path)
+    return problems + _checkpoint_problems("model.path", recipe.model.path)
 
 
 def check_inputs(recipe: Recipe) -> list[str]:

@@ -1,4 +1,4 @@
-"""The role objects the step loop talks to: policy (actor/reference), critic, rollout fleet, reward.
+"""The role objects the step loop talks to: policy (actor/reference), critic, reward model, rollout fleet, reward loop.
 
 Each wraps a worker group or a service and exposes one method per phase, so
 the loop in `trainer.py` never sees Ray, HTTP or Megatron.
@@ -7,12 +7,18 @@ the loop in `trainer.py` never sees Ray, HTTP or Megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from megarl.algorithms.metrics import entropy_metric
-from megarl.config.settings import Batching, PolicyUpdateSettings, ValueUpdateSettings, WeightSyncSettings
+from megarl.config.settings import (
+    Batching,
+    PolicyUpdateSettings,
+    PreferenceUpdateSettings,
+    ValueUpdateSettings,
+    WeightSyncSettings,
+)
 from megarl.controller.memory import MemoryCycle, peak_memory_metrics
 from megarl.controller.phases import apply_kl
 from megarl.controller.worker_group import WorkerGroup, mean_metrics
@@ -93,22 +99,37 @@ class CriticRole:
         return mean_metrics(per_rank)
 
 
+class RewardModelRole:
+    """The Megatron reward model behind its worker group: scores of rows, Bradley-Terry updates (`train-rm`)."""
+
+    def __init__(self, group: WorkerGroup, *, batching: Batching):
+        self.group = group
+        self.batching = batching
+
+    def score(self, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Scores [B] of the reward model's input rows (input_ids, attention_mask, position_ids)."""
+        batch, size = Batch.from_dict(rows), len(rows["input_ids"])
+        if size < self.group.dp_size:  # every DP rank needs a row: pad with copies, drop their scores
+            batch = Batch.concat([batch, *[batch[0:1]] * (self.group.dp_size - size)])
+        shards = self.group.dispatch_dp("compute_scores", batch, batching=self.batching)
+        return Batch.concat(shards)["scores"][:size]
+
+    def update(self, pairs: Batch, settings: PreferenceUpdateSettings) -> dict[str, float]:
+        """rm/{loss, accuracy, margin, grad_norm, lr} of one update on `pairs` (chosen_* and rejected_* rows)."""
+        return mean_metrics(self.group.dispatch_dp("update", pairs, settings=settings))
+
+
 @dataclass
 class Roles:
     """Everything one step needs, built once per run."""
 
     actor: PolicyRole
     rollout: Any  # megarl.rollout.fleet.RolloutFleet
-    reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
+    reward: Any  # megarl.controller.reward_loop.RewardLoop
     memory: MemoryCycle
     reference: PolicyRole | None = None
     critic: CriticRole | None = None
     kl_ctrl: Any = None
-
-    def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        scores, metrics = self.reward_fn(batch)
-        batch["token_level_scores"] = scores
-        return batch, metrics
 
     def apply_kl_in_reward(self, batch: Batch, *, kind: str) -> dict[str, float]:
         metrics = apply_kl(batch, kl_coef=self.kl_ctrl.value, kind=kind)

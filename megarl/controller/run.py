@@ -28,7 +28,7 @@ from megarl.config.settings import (
 from megarl.controller import run_state
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import StepCheckpoint, load_step
-from megarl.controller.engine_worker import MegatronWorker
+from megarl.controller.engine_worker import start_engine_group
 from megarl.controller.fleet import sleeps_between_phases, start_rollout_fleet
 from megarl.controller.memory import MemoryCycle
 from megarl.controller.placement import plan_pools, total_devices
@@ -36,6 +36,7 @@ from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.ray_cluster import connect_ray, new_temp_dir, start_local_ray
 from megarl.controller.resume import resume_or_start
+from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.step_loop import StepLoop
@@ -49,12 +50,9 @@ from megarl.errors import InputError
 def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,
                   optimizer, log_dir: Path) -> WorkerGroup:
     """`pool.world_size` ranks hosting one engine of `kind` ("policy" or "value")."""
-    group = WorkerGroup(MegatronWorker, pool, name=name, log_dir=log_dir)
-    master_addr, master_port = group.run_rank(0, "master_endpoint")
-    group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port,
-              parallel=parallel.model_dump(), hf_config=hf_config, weights=str(weights), seed=recipe.seed,
-              params_dtype=recipe.model.dtype, transformer_impl=recipe.model.transformer_impl, optimizer=optimizer)
-    return group
+    return start_engine_group(pool, name=name, kind=kind, parallel=parallel.model_dump(), hf_config=hf_config,
+                              weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
+                              transformer_impl=recipe.model.transformer_impl, optimizer=optimizer, log_dir=log_dir)
 
 
 def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
@@ -113,10 +111,12 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                                     settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
     cleanup.callback(actor_group.run, "close_weight_sync")
+    reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
+                               api_key=api_key, run_dir=run_dir, cleanup=cleanup)
     idle = [role.group for role in (reference, critic) if role is not None]
     memory = MemoryCycle(fleet, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
-    roles = Roles(actor=actor, rollout=fleet, reward_fn=data.reward_fn, memory=memory, reference=reference,
-                  critic=critic, kl_ctrl=data.kl_ctrl)
+    roles = Roles(actor=actor, rollout=fleet, reward=reward, memory=memory, reference=reference, critic=critic,
+                  kl_ctrl=data.kl_ctrl)
     version = 0
     if resume_from is not None:
         load_step(roles, resume_from)

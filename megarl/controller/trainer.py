@@ -1,8 +1,11 @@
 """The controller's step loop: one PPO/GRPO step is the phase table of DESIGN.md §1.
 
 `Trainer.step()` reads top to bottom like that table, one call per phase, each
-timed under `timing_s/<phase>`. The roles (actor, reference, critic, rollout,
-reward) are built by `megarl.controller.run` and handed in ready to use.
+timed under `timing_s/<phase>`. The reward phase starts during generation (each row
+is scored once generated); `timing_s/reward` is the part left after generation,
+`timing_s/reward_total` all the time scoring was in progress. The roles (actor,
+reference, critic, rollout, reward loop) are built by `megarl.controller.run` and
+handed in ready to use.
 
 Stopping (SIGTERM): until the first update phase nothing but the controller's own
 state has changed, so a step asked to stop before then is abandoned at the next phase
@@ -17,6 +20,8 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import numpy as np
 
 from megarl.algorithms.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
 from megarl.algorithms.metrics import rollout_logprob_diff
@@ -91,16 +96,20 @@ class Trainer:
         with self._timed("step"):
             batch = phases.add_uids(prompts)
             gen_batch = phases.split_generation_batch(batch).repeat(s.rollout_n, interleave=True)
+            batch = batch.repeat(s.rollout_n, interleave=True)
             with self._timed("gen"):
-                rollout = r.rollout.generate(gen_batch, temperature=s.temperature, seed=step)
-            batch = batch.repeat(s.rollout_n, interleave=True).union(rollout)
-            batch = phases.add_response_mask(batch)
+                # Rows are scored as soon as they are generated, while the others still generate.
+                scoring = r.reward.begin(batch, gen_batch)
+                rollout = r.rollout.generate(gen_batch, temperature=s.temperature, seed=step, on_rows=scoring.add)
+            batch = phases.add_response_mask(batch.union(rollout))
+            order = np.arange(len(batch))  # the generation row of each batch row
             if s.balance_batch:
-                batch, _ = batch.balance(r.actor.dp_size)
+                batch, order = batch.balance(r.actor.dp_size)
             actor_updates = step >= s.critic_warmup  # the critic warm-up freezes the actor
             self._cycle("onload", lambda: r.memory.wake_trainers(actor_updates=actor_updates))
             with self._timed("reward"):
-                batch, reward_metrics = r.score(batch)
+                batch, reward_metrics = scoring.finish(batch, rows=order)
+            self.timings["reward_total"] = scoring.busy_seconds
             with self._timed("old_log_prob"):
                 batch, entropy_metrics = r.actor.compute_log_prob(batch, temperature=s.temperature)
             if r.reference is not None:

@@ -1,10 +1,11 @@
-"""What the policy and value engines share: the `TrainEngine` methods that do not depend on the head.
+"""What the policy, value and reward-model engines share: the `TrainEngine` methods that do not depend on the head.
 
 Micro-batching, forward passes over rows, PPO-style epochs of mini-batches with one
 optimizer step each, checkpoints, optimizer reset, named weight shards for the sync,
 and offload/onload. A subclass builds `model` (`gpt.GPTModelChunks`), `train`
 (`TrainState`, or None for a frozen model) and `hf_config`, and implements the
-methods of its head (log-probs and SFT for the policy, values for the critic).
+methods of its head (log-probs and SFT for the policy, values for the critic, scores
+and preference updates for the reward model).
 `_update_calls` counts update calls: it seeds each call's shuffle and is saved in
 checkpoints, so a resumed run shuffles as the uninterrupted one would.
 """
@@ -88,6 +89,9 @@ class MegatronEngine:
     def compute_values(self, rows: Rows, *, batching: Batching) -> Tensor:
         self._unsupported("values")
 
+    def compute_scores(self, rows: Rows, *, batching: Batching) -> Tensor:
+        self._unsupported("scores")
+
     def update(self, rows: Rows, settings) -> dict[str, float]:
         self._unsupported("update")
 
@@ -138,10 +142,11 @@ class MegatronEngine:
         data: dict[str, Tensor],
         settings,
         step: Callable[[dict[str, Tensor], MicroBatches], dict[str, float]],
+        micro_batches: Callable[[dict[str, Tensor]], MicroBatches] | None = None,
     ) -> dict[str, float]:
         """`settings.epochs` passes over `data` in (shuffled) mini-batches of `settings.mini_batch_size` rows,
         `step(mini, micro)` on each; the mean of the steps' metrics. The shuffle is seeded by `settings.seed` and
-        the update call count."""
+        the update call count. `micro_batches(mini)` cuts a mini-batch (default: `settings.batching` rows each)."""
         cpu_compat.install()
         self._set_mode(True)
         rows = next(iter(data.values())).shape[0]
@@ -153,7 +158,8 @@ class MegatronEngine:
             order = torch.randperm(rows, generator=generator) if settings.shuffle else torch.arange(rows)
             for start in range(0, rows, mini_batch_size):
                 mini = {key: value[order[start : start + mini_batch_size]] for key, value in data.items()}
-                history.append(step(mini, self._micro_batches(mini, settings.batching)))
+                micro = micro_batches(mini) if micro_batches else self._micro_batches(mini, settings.batching)
+                history.append(step(mini, micro))
         return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
 
     def _optimizer_step(self, train: TrainState, micro: MicroBatches, loss_fn: Callable) -> tuple[list, float, float]:

@@ -1,7 +1,7 @@
 """`TrainEngine`: what a training-side engine rank offers the worker that hosts it.
 
-The Megatron policy (actor, and the frozen reference) and the value model
-implement it; the controller's worker and everything above it use only these
+The Megatron policy (actor, and the frozen reference), the value model and the
+reward model implement it; the controller's worker and everything above it use only these
 methods, never Megatron objects. A method an engine does not support (values
 from a policy, an update of a frozen reference) raises `NotImplementedError`
 naming the engine. Every method is called on all ranks of the engine with the
@@ -11,7 +11,8 @@ collectives over the engine's process groups.
 Row inputs are mappings of `[B, ...]` tensors keyed as in the step's batch
 (DESIGN.md §1): `input_ids`, `attention_mask`, `position_ids` ([B, P + R]),
 `responses` ([B, R]), and for updates `response_mask`, `old_log_probs`,
-`advantages`, `ref_log_prob`, `values`, `returns`, `loss_mask`.
+`advantages`, `ref_log_prob`, `values`, `returns`, `loss_mask`; for a reward model's
+update, the sequences of preference pairs as `chosen_*` and `rejected_*`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from megarl.config.settings import Batching, PolicyUpdateSettings, ValueUpdateSettings
+from megarl.config.settings import Batching, PolicyUpdateSettings, PreferenceUpdateSettings, ValueUpdateSettings
 from megarl.models.spec import Arch
 
 Tensor = torch.Tensor
@@ -55,8 +56,14 @@ class TrainEngine(Protocol):
     def compute_values(self, rows: Rows, *, batching: Batching) -> Tensor:
         """Values [B, R]: V of the state before each response token, on every rank."""
 
-    def update(self, rows: Rows, settings: PolicyUpdateSettings | ValueUpdateSettings) -> dict[str, float]:
-        """One PPO update (epochs of mini-batches) on this DP rank's rows; its metrics, equal on every rank."""
+    def compute_scores(self, rows: Rows, *, batching: Batching) -> Tensor:
+        """Scores [B]: a reward model's scalar at the last valid token of each row, on every rank."""
+
+    def update(
+        self, rows: Rows, settings: PolicyUpdateSettings | ValueUpdateSettings | PreferenceUpdateSettings
+    ) -> dict[str, float]:
+        """One update (epochs of mini-batches: PPO, or Bradley-Terry for a reward model) on this DP rank's rows;
+        its metrics, equal on every rank."""
 
     def sft_step(self, rows: Rows, *, batching: Batching, lr: float) -> dict[str, float]:
         """One supervised step on the `loss_mask` tokens at learning rate `lr`."""

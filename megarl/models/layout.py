@@ -36,6 +36,9 @@ Tensor = torch.Tensor
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
+# The scalar head of an HF *ForSequenceClassification reward model ([1, hidden], no bias). A reward model has
+# no `lm_head.weight`: its backbone maps like a tied model's, and the engine keeps this head itself.
+SCORE_HEAD = "score.weight"
 
 EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import multiprocessing
 import numbers
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,16 @@ def _column(values: Sequence[Any]) -> np.ndarray:
     return column
 
 
+def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row scores [B] -> [B, R] float32 with each score at index valid_response_length - 1, so `.sum(-1)` gives
+    them back; a row without response tokens has no token to carry its score and stays 0."""
+    lengths = response_mask.sum(-1).long()
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows] - 1] = scores[rows].float()
+    return out
+
+
 class RewardManager:
     """`RewardManager(tokenizer, scorers, num_workers)(batch) -> RewardOutput`.
 
@@ -68,6 +79,7 @@ class RewardManager:
         self.num_workers = num_workers
         self.parallel_min_batch = parallel_min_batch
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     def __call__(self, batch: Any) -> RewardOutput:
         responses = batch["responses"]
@@ -87,19 +99,24 @@ class RewardManager:
         # gets 0, so token_level_scores.sum(-1) always equals extra["score"].
         scored = [index for index, length in enumerate(valid_lengths) if length > 0]
         results = [SampleScore(0.0, {}, None)] * len(tasks)
-        for index, result in zip(scored, self._score([tasks[index] for index in scored])):
+        for index, result in zip(scored, self.score_tasks([tasks[index] for index in scored])):
             results[index] = result
-
-        scores = torch.zeros(responses.shape, dtype=torch.float32)
-        for index in scored:
-            scores[index, valid_lengths[index] - 1] = results[index].score
+        scores = at_last_token(torch.tensor([result.score for result in results]), batch["response_mask"])
         return RewardOutput(scores, self._extra_fields(results), sum(result.error is not None for result in results))
 
-    def _score(self, tasks: list[tuple[str, str, str, dict]]) -> list[SampleScore]:
+    def score_tasks(self, tasks: Sequence[tuple[str, str, Any, dict]], *, pooled: bool | None = None
+                    ) -> list[SampleScore]:
+        """Scores of (data_source, response text, ground truth, extra_info) tasks, in order; a failing scorer gives
+        0 and an error for its task only. `pooled`: score in the worker processes (None: when there are workers
+        and at least `parallel_min_batch` tasks). Safe to call from several threads at once."""
+        tasks = list(tasks)
+        check_data_sources([task[0] for task in tasks], self.scorers)
         if not tasks:
             return []
         results = None
-        if self.num_workers > 0 and len(tasks) >= self.parallel_min_batch:
+        if pooled is None:
+            pooled = len(tasks) >= self.parallel_min_batch
+        if self.num_workers > 0 and pooled:
             results = self._score_in_pool(tasks)
         if results is None:
             results = [score_sample(self.scorers[task[0]], *task[1:]) for task in tasks]
@@ -113,17 +130,19 @@ class RewardManager:
     def _score_in_pool(self, tasks: list[tuple[str, str, str, dict]]) -> list[SampleScore] | None:
         """Score in the worker pool; None (after a warning) when the pool itself fails, e.g. a worker died."""
         try:
-            if self._pool is None:
-                # spawn, not fork: the trainer process holds threads (Ray, torch)
-                # that a forked child would inherit in an inconsistent state.
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self.num_workers,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=install_worker_scorers,
-                    initargs=(self.scorers,),
-                )
+            with self._pool_lock:
+                if self._pool is None:
+                    # spawn, not fork: the trainer process holds threads (Ray, torch)
+                    # that a forked child would inherit in an inconsistent state.
+                    self._pool = concurrent.futures.ProcessPoolExecutor(
+                        max_workers=self.num_workers,
+                        mp_context=multiprocessing.get_context("spawn"),
+                        initializer=install_worker_scorers,
+                        initargs=(self.scorers,),
+                    )
+                pool = self._pool
             chunk = max(1, len(tasks) // (4 * self.num_workers))
-            return list(self._pool.map(score_task, tasks, chunksize=chunk))
+            return list(pool.map(score_task, tasks, chunksize=chunk))
         except Exception as error:  # scoring must not kill the run; fall back to in-process
             logger.warning("reward worker pool failed (%s: %s); scoring in-process", type(error).__name__, error)
             self.close()

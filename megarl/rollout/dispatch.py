@@ -75,8 +75,12 @@ async def generate_rows(
     targets: Targets,
     request: Request,
     max_attempts: int,
+    on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
 ) -> list[GenerationResult]:
-    """One result per prompt row, in row order; `groups` partition the rows into shared-prompt requests."""
+    """One result per prompt row, in row order; `groups` partition the rows into shared-prompt requests.
+
+    `on_rows(rows, results)` hears about rows as soon as they are generated (on this event loop: it must
+    only hand the work on); each row is reported exactly once."""
     results: list[GenerationResult | None] = [None] * len(prompts)
 
     def store(row: int, result: GenerationResult) -> None:
@@ -104,9 +108,11 @@ async def generate_rows(
             outputs = _parse(reply, count=len(pending), url=target.url)
             # An aborted sample (server paused or shutting down) is no sample: send it again.
             aborted = [row for row, output in zip(pending, outputs) if output.finish_reason == "abort"]
-            for row, output in zip(pending, outputs):
-                if output.finish_reason != "abort":
-                    store(row, output)
+            done = [(row, output) for row, output in zip(pending, outputs) if output.finish_reason != "abort"]
+            for row, output in done:
+                store(row, output)
+            if on_rows is not None and done:
+                on_rows([row for row, _ in done], [output for _, output in done])
             if aborted and attempt >= max_attempts:
                 raise FleetError(f"rows {aborted[:8]} were aborted {attempt} times (last by {target.url})")
             if aborted:

@@ -166,8 +166,12 @@ class RolloutFleet:
         return [{"index": s.index, "url": s.url, "pid": s.pid, "state": s.state, "restarts": s.restarts,
                  "failure": s.failure} for s in self._servers]
 
-    def generate(self, gen_batch: Batch, *, temperature: float, seed: int) -> Batch:
-        """Responses, full sequences, engine log-probs and finish reasons for every row of `gen_batch`."""
+    def generate(self, gen_batch: Batch, *, temperature: float, seed: int,
+                 on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None) -> Batch:
+        """Responses, full sequences, engine log-probs and finish reasons for every row of `gen_batch`.
+
+        `on_rows(rows, results)` is told about rows as soon as they finish (the reward loop scores them
+        while the others generate); it runs on the client's event loop and must only queue work."""
         prompts = prompt_token_lists(gen_batch)
         groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
         with self._generation_lock:
@@ -175,7 +179,7 @@ class RolloutFleet:
                 raise GenerationInterrupted("generation was stopped: the run is shutting down")
             self._generation = self._client.submit(self._generate_rows(
                 prompts, groups, sampling={**self.sampling, "temperature": temperature},
-                seed=self.seed * 100_003 + seed,
+                seed=self.seed * 100_003 + seed, on_rows=on_rows,
             ))
         try:
             results = self._generation.result()
@@ -193,13 +197,14 @@ class RolloutFleet:
                 self._generation.cancel()
 
     async def _generate_rows(
-        self, prompts: list[list[int]], groups: list[list[int]], *, sampling: dict[str, Any], seed: int
+        self, prompts: list[list[int]], groups: list[list[int]], *, sampling: dict[str, Any], seed: int,
+        on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
     ) -> list[GenerationResult]:
         # Checks before and after: a server may have died while idle, and the router
         # re-sends a dead worker's requests itself, so only a check can see that death.
         await self._check_all()
         results = await generate_rows(prompts, groups, sampling=sampling, seed=seed, targets=self,
-                                      request=self._client.request, max_attempts=self.max_attempts)
+                                      request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows)
         await self._check_all()
         return results
 

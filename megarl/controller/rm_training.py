@@ -1,0 +1,216 @@
+"""`megarl train-rm`: fit the recipe's reward model to preference pairs and write the HF checkpoint it loads.
+
+Order: run directory (`<output_dir>/<name>/train-rm/` holds the pairs, `metrics.jsonl`
+and TensorBoard files), tokenizers and pairs (re-templated exactly as the reward-model
+role will see rows in `megarl train`), the starting weights (optionally after
+`sft_steps` supervised steps, run here on the reward model's pool), Ray and the
+reward model's pool, one Megatron engine group of kind "reward", then epochs of shuffled
+mini-batches (one Bradley-Terry optimizer step each) with validation accuracy (the
+share of validation pairs scored chosen > rejected) every `val_every` steps and at
+the end. The result is an HF `*ForSequenceClassification` checkpoint (num_labels 1,
+the pad id, the tokenizer) written atomically to `reward_model.path`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from megarl import atomic
+from megarl.config import Recipe
+from megarl.config.schema import read_hf_config
+from megarl.config.settings import (
+    logprob_batching,
+    optimizer_settings,
+    preference_update_settings,
+    reward_model_optimizer_settings,
+    reward_scoring_batching,
+)
+from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
+from megarl.controller.engine_worker import start_engine_group
+from megarl.controller.placement import plan_pools
+from megarl.controller.preflight import check_reward_model_training, prepare_run_dir
+from megarl.controller.ray_cluster import connect_ray, start_local_ray
+from megarl.controller.roles import PolicyRole, RewardModelRole
+from megarl.controller.sft import run_sft_warmup
+from megarl.controller.tracking import Tracker
+from megarl.data.preference import read_pairs, write_arithmetic_preferences
+from megarl.data.rm_inputs import RewardModelInputs
+from megarl.data.tokenizer import load_tokenizer
+from megarl.errors import InputError
+from megarl.models.spec import arch_from_hf
+from megarl.protocol import Batch
+
+SIDES = ("chosen", "rejected")
+
+
+@dataclass(frozen=True)
+class RewardModelResult:
+    path: Path
+    val_accuracy: float
+    steps: int
+
+
+def _trim_left_padding(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Left-padded rows cut to their longest real sequence (the pad columns every row shares go)."""
+    width = max(int(rows["attention_mask"].sum(-1).max()), 1)
+    return {key: value[:, -width:] for key, value in rows.items()}
+
+
+@dataclass
+class Pairs:
+    """Tokenized pairs: `chosen` and `rejected` reward-model rows, pair i in row i of both."""
+
+    chosen: dict[str, torch.Tensor]
+    rejected: dict[str, torch.Tensor]
+
+    @classmethod
+    def build(cls, rows: list[dict], inputs: RewardModelInputs) -> Pairs:
+        messages = [row["prompt"] for row in rows]
+        return cls(*(inputs.from_text(messages=messages, responses=[row[side] for row in rows]) for side in SIDES))
+
+    def __len__(self) -> int:
+        return len(self.chosen["input_ids"])
+
+    def batch(self, index: np.ndarray) -> Batch:
+        """The update rows of pairs `index`: chosen_* and rejected_* sequences."""
+        columns = {}
+        for side, rows in zip(SIDES, (self.chosen, self.rejected)):
+            columns.update({f"{side}_{key}": value for key, value in
+                            _trim_left_padding({k: v[index] for k, v in rows.items()}).items()})
+        return Batch.from_dict(columns)
+
+
+def _pair_files(recipe: Recipe, data_dir: Path) -> tuple[list[Path], list[Path]]:
+    train = recipe.reward_model.train
+    if train.synthetic is not None:
+        synth = train.synthetic
+        paths = write_arithmetic_preferences(data_dir, synth.num_train, synth.num_val, synth.seed, synth.max_operand)
+        return [paths[0]], [paths[1]]
+    return [Path(f).expanduser() for f in train.train_files], [Path(f).expanduser() for f in train.val_files]
+
+
+def reward_model_hf_config(hf_config: dict, *, pad_token_id: int, dtype: str) -> dict[str, Any]:
+    """The config.json of an HF *ForSequenceClassification reward model with one label on `hf_config`'s backbone."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    architecture = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[hf_config["model_type"]]
+    base = {key: value for key, value in hf_config.items() if key not in ("num_labels", "id2label", "label2id")}
+    return {**base, "architectures": [architecture], "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+            "pad_token_id": pad_token_id, "dtype": dtype, "torch_dtype": dtype}
+
+
+def _write_reward_model(path: Path, state: dict[str, torch.Tensor], config: dict, tokenizer: Any) -> None:
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, config["dtype"])
+    with atomic.new_directory(path) as partial:
+        save_file({name: tensor.to(dtype).contiguous() for name, tensor in state.items()},
+                  str(partial / "model.safetensors"), metadata={"format": "pt"})
+        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer.save_pretrained(partial)
+
+
+def _sft_warmed_backbone(recipe: Recipe, *, pool, weights: Path, hf_config: dict, run_dir: Path,
+                         tracker: Tracker) -> dict[str, torch.Tensor]:
+    """`weights` after `reward_model.train.sft_steps` supervised steps on the RL data's reference solutions (the
+    policy's warm-up code, without its early stop), in HF names; its engine group is gone afterwards."""
+    steps = recipe.reward_model.train.sft_steps
+    warmup = recipe.sft_warmup.model_copy(update={"steps": steps, "stop_loss": None})
+    data = prepare_data(recipe, run_dir)
+    group = start_engine_group(pool, name="reward_model_sft", kind="policy",
+                               parallel=recipe.reward_model.parallel.model_dump(), hf_config=hf_config,
+                               weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
+                               transformer_impl=recipe.model.transformer_impl,
+                               optimizer=optimizer_settings(recipe, "actor"), log_dir=None)
+    try:
+        run_sft_warmup(PolicyRole(group, batching=logprob_batching(recipe)), data,
+                       recipe.model_copy(update={"sft_warmup": warmup}), tracker)
+        tracker.message(f"reward model backbone: {steps} supervised steps")
+        return next(sd for sd in group.run("hf_state_dict") if sd is not None)
+    finally:
+        group.kill()
+
+
+def _validate(role: RewardModelRole, pairs: Pairs) -> dict[str, float]:
+    margin = role.score(pairs.chosen) - role.score(pairs.rejected)
+    return {"val/rm_accuracy": float((margin > 0).float().mean()), "val/rm_margin": float(margin.mean())}
+
+
+def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> RewardModelResult:
+    """Run `megarl train-rm` for `recipe`; returns where the reward model went and its final validation accuracy."""
+    import ray
+
+    problems = check_reward_model_training(recipe)
+    if problems:
+        raise InputError(problems)
+    rm, train = recipe.reward_model, recipe.reward_model.train
+    run_dir = prepare_run_dir(recipe)
+    log_dir = run_dir / "train-rm"
+    policy_tokenizer = load_tokenizer(recipe.model.tokenizer)
+    if train.init_path is not None:
+        weights, hf_config = Path(train.init_path), read_hf_config(train.init_path, key="reward_model.train.init_path")
+    else:
+        weights, hf_config = prepare_initial_weights(recipe, run_dir, policy_tokenizer), recipe.model.hf_config()
+    rm_tokenizer = load_tokenizer(rm.tokenizer) if rm.tokenizer else policy_tokenizer
+    inputs = RewardModelInputs(rm_tokenizer, policy_tokenizer,
+                               max_length=arch_from_hf(hf_config).max_position_embeddings)
+    train_files, val_files = _pair_files(recipe, log_dir / "data")
+    train_pairs, val_pairs = Pairs.build(read_pairs(train_files), inputs), Pairs.build(read_pairs(val_files), inputs)
+    steps_per_epoch = len(train_pairs) // train.mini_batch_size
+    if steps_per_epoch == 0:
+        raise InputError(f"reward_model.train.mini_batch_size: larger than the {len(train_pairs)} training pairs "
+                         f"(got {train.mini_batch_size})")
+    total_steps = train.epochs * steps_per_epoch
+    dtype = rm.dtype or recipe.model.dtype
+
+    with ExitStack() as cleanup:
+        if ray_address:
+            connect_ray(ray_address)
+        elif not ray.is_initialized():
+            ray_dir = tempfile.mkdtemp(prefix="megarl-ray-")
+            cleanup.callback(shutil.rmtree, ray_dir, True)
+            start_local_ray(temp_dir=ray_dir, num_cpus=8)
+            cleanup.callback(ray.shutdown)
+        logging = recipe.trainer.logging
+        tracker = Tracker(log_dir, total_steps=total_steps, jsonl=logging.jsonl, tensorboard=logging.tensorboard,
+                          console=logging.console)
+        cleanup.callback(tracker.close)
+        pool = plan_pools(recipe)["reward_model"]
+        cleanup.callback(pool.release)
+        warmed = None
+        if train.sft_steps > 0:
+            warmed = _sft_warmed_backbone(recipe, pool=pool, weights=weights, hf_config=hf_config, run_dir=run_dir,
+                                          tracker=tracker)
+        group = start_engine_group(pool, name="reward_model", kind="reward", parallel=rm.parallel.model_dump(),
+                                   hf_config=hf_config, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
+                                   transformer_impl=recipe.model.transformer_impl,
+                                   optimizer=reward_model_optimizer_settings(recipe, train_pairs=len(train_pairs)),
+                                   log_dir=None)
+        cleanup.callback(group.kill)
+        if warmed is not None:
+            group.run("load_hf_state_dict", warmed)  # the backbone; the score head starts at zero
+        role = RewardModelRole(group, batching=reward_scoring_batching(recipe))
+        settings = preference_update_settings(recipe)
+        rng = np.random.default_rng(recipe.seed)
+        step, metrics = 0, {}
+        for _ in range(train.epochs):
+            order = rng.permutation(len(train_pairs)) if train.shuffle else np.arange(len(train_pairs))
+            for start in range(0, steps_per_epoch * train.mini_batch_size, train.mini_batch_size):
+                metrics = role.update(train_pairs.batch(order[start : start + train.mini_batch_size]), settings)
+                step += 1
+                if step == total_steps or (train.val_every and step % train.val_every == 0):
+                    metrics.update(_validate(role, val_pairs))
+                tracker.log(step, metrics)
+        state = next(sd for sd in group.run("hf_state_dict") if sd is not None)
+    config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=dtype)
+    _write_reward_model(Path(rm.path).expanduser(), state, config, rm_tokenizer)
+    return RewardModelResult(Path(rm.path).expanduser(), metrics["val/rm_accuracy"], step)

@@ -1,0 +1,138 @@
+"""The remote reward: the user's HTTP service scores one row per request, with bounded concurrency,
+timeouts and retries.
+
+Request: `POST <reward.remote.url>` with a JSON object
+
+    {"uid": "<the prompt's uid>", "sample": 0,      # sample of that prompt (0 .. rollout.n - 1)
+     "data_source": "openai/gsm8k",
+     "prompt": [{"role": "user", "content": "..."}],  # the row's chat messages
+     "response": "...",                              # the decoded response (special tokens skipped)
+     "ground_truth": "72",                           # reward_model.ground_truth, or null
+     "extra_info": {...}}                            # the row's extra_info
+
+Response: HTTP 200 with a JSON object holding a finite number `"score"` (other keys are
+ignored). (uid, sample) names a row uniquely within a step, so a service may
+deduplicate the retries of one row.
+
+Failures: a connection error, a timeout, or HTTP 408, 429 or 5xx is retried after
+`backoff_s`, doubling, up to `retries` times; any other status, or a 200 without a
+finite score, fails the row at once (repeating the request cannot fix it). A row
+that has failed is reported with its uid and sample by `RemoteRewardError`, never
+scored 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import aiohttp
+
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class RemoteRewardError(RuntimeError):
+    """Rows the remote reward could not score; names each by uid and sample with its last error."""
+
+    def __init__(self, failures: Sequence[tuple[str, int, str]]):
+        self.failures = list(failures)
+        lines = [f"uid {uid} sample {sample}: {error}" for uid, sample, error in self.failures[:20]]
+        more = len(self.failures) - len(lines)
+        super().__init__(f"remote reward failed for {len(self.failures)} row(s):\n" + "\n".join(lines)
+                         + (f"\n... and {more} more" if more > 0 else ""))
+
+
+class _RowFailed(Exception):
+    def __init__(self, message: str, *, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class RemoteRewardClient:
+    """Scores rows on the service at `url`; `submit` may be called from any thread, results are futures."""
+
+    def __init__(self, url: str, *, max_concurrency: int, timeout_s: float, retries: int, backoff_s: float,
+                 headers: Mapping[str, str] | None = None):
+        self.url, self.retries, self.backoff_s = url, retries, backoff_s
+        self._headers = dict(headers or {})
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._max_concurrency = max_concurrency
+        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
+        # Requests run on a private loop in a thread of their own, so rows can be submitted from the
+        # generation callback and from plain code alike.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="remote-reward", daemon=True)
+        self._thread.start()
+
+    def submit(self, row: Mapping[str, Any]) -> concurrent.futures.Future:
+        """Score one request object (the module's schema); the future's result is the score (float) or
+        `RemoteRewardError` naming the row."""
+        return asyncio.run_coroutine_threadsafe(self._score(dict(row)), self._loop)
+
+    def score(self, rows: Sequence[Mapping[str, Any]]) -> list[float]:
+        """Scores of `rows`, in order; RemoteRewardError naming every row that failed."""
+        return collect_scores(rows, [self.submit(row) for row in rows])
+
+    async def _score(self, row: dict) -> float:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+            self._slots = asyncio.Semaphore(self._max_concurrency)
+        attempt = 0
+        while True:
+            try:
+                async with self._slots:
+                    return await self._attempt(row)
+            except _RowFailed as failure:
+                if not failure.retryable or attempt >= self.retries:
+                    tries = f" after {attempt + 1} attempts" if attempt else ""
+                    raise RemoteRewardError([(str(row.get("uid")), int(row.get("sample", 0)),
+                                              f"{failure}{tries}")]) from None
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+            attempt += 1
+
+    async def _attempt(self, row: dict) -> float:
+        try:
+            async with self._session.post(self.url, json=row) as response:
+                text = await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+            raise _RowFailed(f"{self.url}: {type(error).__name__}: {error}".rstrip(": "), retryable=True) from None
+        if response.status != 200:
+            raise _RowFailed(f"{self.url}: HTTP {response.status}: {text.strip()[:200]}",
+                             retryable=response.status in RETRYABLE_STATUS)
+        try:
+            score = float(json.loads(text)["score"])
+        except (ValueError, KeyError, TypeError):
+            raise _RowFailed(f"{self.url}: no numeric 'score' in the answer {text.strip()[:200]!r}",
+                             retryable=False) from None
+        if not math.isfinite(score):
+            raise _RowFailed(f"{self.url}: non-finite score {score}", retryable=False)
+        return score
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        if self._session is not None:
+            asyncio.run_coroutine_threadsafe(self._session.close(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+def collect_scores(rows: Sequence[Mapping[str, Any]], futures: Sequence[concurrent.futures.Future]) -> list[float]:
+    """The scores of `futures` (one per row), waiting for all; one RemoteRewardError naming every failed row."""
+    scores, failures = [], []
+    for row, future in zip(rows, futures):
+        try:
+            scores.append(future.result())
+        except RemoteRewardError as error:
+            failures += error.failures
+            scores.append(math.nan)
+    if failures:
+        raise RemoteRewardError(failures)
+    return scores
