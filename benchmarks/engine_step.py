@@ -67,7 +67,7 @@ def hf_config(args: argparse.Namespace) -> dict:
         "intermediate_size": args.hidden * 11 // 4,
         "num_hidden_layers": args.layers,
         "num_attention_heads": args.hidden // 32,
-        "num_key_value_heads": max(1, args.hidden // 64),
+        "num_key_value_heads": max(2, args.hidden // 64),  # at least one KV group per rank of the tp2 layout
         "tie_word_embeddings": True,
         "max_position_embeddings": 4096,
     }

@@ -150,12 +150,28 @@ def test_start_over_moves_the_old_run_dir_aside_never_deletes_it(tmp_path):
     recipe, run_dir = _recipe(tmp_path, "trainer.checkpoint.resume=never"), tmp_path / "run"
     _save(_roles(), run_dir, 2, recipe)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    said = []
-    assert resume_or_start(run_dir, recipe, say=said.append) is None
+    # What `megarl submit` wrote before the job started, and the batch log the job is writing now: they stay.
+    (run_dir / "slurm").mkdir()
+    (run_dir / "slurm" / "job.json").write_text("{}")
+    (run_dir / "logs").mkdir()
+    with open(run_dir / "logs" / "slurm-7.out", "w") as batch_log:
+        said = []
+        assert resume_or_start(run_dir, recipe, say=said.append) is None
+        batch_log.write("still here\n")
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
     assert (aside / "checkpoints" / "step_2" / MARKER).is_file() and (aside / "metrics.jsonl").is_file()
-    assert list(run_dir.iterdir()) == []
+    assert sorted(p.name for p in run_dir.iterdir()) == ["logs", "slurm"]
+    assert (run_dir / "logs" / "slurm-7.out").read_text() == "still here\n"
     assert str(aside) in said[0]
+
+
+def test_start_over_with_only_launcher_files_moves_nothing(tmp_path):
+    recipe, run_dir = _recipe(tmp_path), tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    (run_dir / "logs").mkdir()
+    said = []
+    assert resume_or_start(run_dir, recipe, say=said.append) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and said == []
 
 
 def test_weights_only_saves_and_loads_without_optimizer_state(tmp_path):

@@ -89,7 +89,7 @@ def reward_model_job(*, rank: int, checkpoints: dict, rows: dict, pairs: dict) -
         for name, checkpoint in checkpoints.items():
             config = json.loads((Path(checkpoint) / "config.json").read_text())
             engine = RewardModelEngine(hf_config=config, weights=checkpoint, seed=0, params_dtype="float32",
-                                       optimizer=optimizer(lr=0.0))
+                                       transformer_impl="local", optimizer=optimizer(lr=0.0))
             result = {kind: engine.compute_scores(r, batching=batching(4)) for kind, r in rows.items()}
             result["packed"] = engine.compute_scores(rows["retemplated"], batching=batching(4, 40))
             dp = parallel_layout()["dp_size"]

@@ -7,7 +7,10 @@ tried). The recipe may change how the run is executed and logged, not what it co
 a key under `RESUME_BREAKING` that differs from the checkpoint's `recipe.yaml` (unless it
 is under `RESUME_ALLOWED`) is refused with one line per key. With `resume: never`
 (`megarl train --no-resume`), or when nothing can be resumed, an existing run directory
-is renamed to `<name>.replaced-<time>` (never deleted) and the run starts afresh.
+has its contents moved to `<name>.replaced-<time>` (never deleted) and the run starts
+afresh. The launcher's entries (`LAUNCHER_ENTRIES`: `megarl submit`'s job files and the
+logs its running job is writing) stay where they are: the job that starts over is the one
+writing them.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ RESUME_BREAKING = ("seed", "model", "data", "algorithm", "actor", "critic", "rol
 RESUME_ALLOWED = ("actor.parallel", "critic.parallel", "actor.optim", "critic.optim", "actor.ppo_micro_batch_size",
                   "actor.logprob_micro_batch_size", "actor.max_tokens_per_microbatch", "critic.ppo_micro_batch_size",
                   "critic.max_tokens_per_microbatch", "data.val_files", "data.val_batch_size", "reward.num_workers")
-
+# Written by the launcher around the run, not by the run: `megarl submit`'s sbatch script and job record, and
+# the logs (the batch log, Ray's, the controller's) that the current job appends to.
+LAUNCHER_ENTRIES = ("slurm", "logs")
 
 _UNSET = object()  # a key one of the two recipes does not have
 
@@ -91,14 +96,20 @@ def newest_intact(run_dir: Path, say: Callable[[str], None]) -> StepCheckpoint |
 
 
 def _move_aside(run_dir: Path, say: Callable[[str], None]) -> None:
+    """The previous run's outputs (all but `LAUNCHER_ENTRIES`) into `<name>.replaced-<time>`."""
+    outputs = [entry for entry in run_dir.iterdir() if entry.name not in LAUNCHER_ENTRIES]
+    if not outputs:
+        return
     aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
-    run_dir.rename(aside)
-    say(f"starting over: the previous contents of {run_dir} are now in {aside}")
+    aside.mkdir()
+    for entry in outputs:
+        entry.rename(aside / entry.name)
+    say(f"starting over: the previous outputs of {run_dir} are now in {aside}")
 
 
 def resume_or_start(run_dir: Path, recipe: Recipe, *, say: Callable[[str], None]) -> StepCheckpoint | None:
-    """The checkpoint of `run_dir` that `recipe` continues, or None for a fresh run (an existing run dir is
-    then moved aside and recreated empty).
+    """The checkpoint of `run_dir` that `recipe` continues, or None for a fresh run (the outputs of an earlier
+    run in `run_dir` are then moved aside).
 
     Raises InputError, leaving the directory as it was (bar leftovers of interrupted
     saves), when the recipe cannot continue the checkpoint.
@@ -109,7 +120,7 @@ def resume_or_start(run_dir: Path, recipe: Recipe, *, say: Callable[[str], None]
     if resume_from is not None:
         check_compatible(resume_from, recipe)
         say(f"resuming from {resume_from.path} (step {resume_from.step})")
-    elif run_dir.is_dir() and any(run_dir.iterdir()):
+    elif run_dir.is_dir():
         _move_aside(run_dir, say)
     run_dir.mkdir(parents=True, exist_ok=True)
     return resume_from

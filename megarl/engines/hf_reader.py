@@ -39,6 +39,15 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json")
 
 
+def read_tensor(path: str | Path, name: str) -> Tensor | None:
+    """The whole tensor `name` of the checkpoint dir `path` (for small ones, such as a score head), or None."""
+    file = checkpoint_files(path).get(name)
+    if file is None:
+        return None
+    with safe_open(str(file), framework="pt") as handle:
+        return handle.get_tensor(name)
+
+
 class CheckpointSlices:
     """Slice reads from an HF safetensors checkpoint dir; nothing is read until `copy_into` asks for a slice."""
 

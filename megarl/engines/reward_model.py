@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from megarl.config.settings import Batching, OptimizerSettings, PreferenceUpdateSettings
-from megarl.engines import cpu_compat, hf_weights
+from megarl.engines import cpu_compat, hf_reader, hf_weights
 from megarl.engines.engine_base import SEQUENCE_KEYS, MegatronEngine, pick
 from megarl.engines.losses import dp_sum, loss_scale
 from megarl.engines.protocol import Rows
 from megarl.engines.schedule import MicroBatches, broadcast_from_last_stage, is_output_stage
-from megarl.models.layout import SCORE_HEAD, random_hf_state_dict
+from megarl.models.layout import SCORE_HEAD
 
 Tensor = torch.Tensor
 PAIR_KEYS = tuple(f"{side}_{key}" for side in ("chosen", "rejected") for key in SEQUENCE_KEYS)
@@ -57,6 +57,15 @@ def last_token_scores(mb: dict, output: Tensor) -> Tensor:
     index = mb["token_index"]
     last = index.shape[1] - 1 - (index >= 0).flip(-1).int().argmax(-1)
     return scores[0][index.gather(1, last.unsqueeze(1)).squeeze(1).to(scores.device)]
+
+
+def _score_weight(weights) -> Tensor | None:
+    """`score.weight` of an HF checkpoint dir or state dict; None for random weights or a plain backbone."""
+    if weights is None:
+        return None
+    if isinstance(weights, dict):
+        return weights.get(SCORE_HEAD)
+    return hf_reader.read_tensor(weights, SCORE_HEAD)
 
 
 def backbone_config(hf_config: dict) -> dict:
@@ -121,11 +130,8 @@ class RewardModelEngine(MegatronEngine):
             if torch.cuda.is_available():
                 last.output_layer.cuda(torch.cuda.current_device())
         self.train = None  # weights first: the optimizer takes its copies of them
-        if weights is None:
-            weights = random_hf_state_dict(self.model.arch, seed=seed)
-        elif not isinstance(weights, dict):
-            weights = hf_weights.read_hf_checkpoint(weights)
-        self.load_hf_state_dict(weights)
+        hf_weights.load_hf_weights(self.model, weights, seed=seed, backbone_only=True)
+        self._load_score_head(_score_weight(weights))
         self._attach_optimizer(optimizer)
 
     @property
@@ -148,16 +154,20 @@ class RewardModelEngine(MegatronEngine):
         """The backbone of `state_dict`, and its `score.weight` when it has one (else the head is zeroed)."""
         cpu_compat.install()
         hf_weights.load_hf_state_dict(self.model, state_dict, backbone_only=True)
-        head = self.score_head
-        if head is not None:
-            score = state_dict.get(SCORE_HEAD)
-            if score is not None and tuple(score.shape) != tuple(head.weight.shape):
-                raise ValueError(f"{SCORE_HEAD}: shape {tuple(score.shape)}, the reward model needs "
-                                 f"{tuple(head.weight.shape)} (one label)")
-            with torch.no_grad():
-                head.weight.copy_(score if score is not None else torch.zeros_like(head.weight))
+        self._load_score_head(state_dict.get(SCORE_HEAD))
         if self.train is not None:
             self.train.optimizer.reload_model_params()
+
+    def _load_score_head(self, score: Tensor | None) -> None:
+        """The head on the last stage <- `score` [1, H], or zeros when the source has no head."""
+        head = self.score_head
+        if head is None:
+            return
+        if score is not None and tuple(score.shape) != tuple(head.weight.shape):
+            raise ValueError(f"{SCORE_HEAD}: shape {tuple(score.shape)}, the reward model needs "
+                             f"{tuple(head.weight.shape)} (one label)")
+        with torch.no_grad():
+            head.weight.copy_(score if score is not None else torch.zeros_like(head.weight))
 
     # ------------------------------------------------------------------ inference
 
