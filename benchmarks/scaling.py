@@ -16,7 +16,9 @@ doubles grows; their model has num_key_value_heads 8, so that TP 8 divides it.
 All runs share one in-process Ray (16 logical CPUs, so 9 process slots fit on this
 2-core machine: a slot is a process, not a core). Each run's report goes to
 OUT/<series>-<value>/; the summary table, with the load average at the start and
-end of every run, to OUT/scaling.json and .md.
+end of every run, to OUT/scaling.json and .md. A run whose report is already in OUT
+is read back instead of run again (an interrupted series continues where it
+stopped; delete a report to measure that run anew).
 
     python benchmarks/scaling.py --out results/scaling            # ~30 min here
     python benchmarks/scaling.py --series batch --steps 2 --out /tmp/s
@@ -79,8 +81,10 @@ def main(argv: list[str] | None = None) -> None:
         for series in chosen:
             key, values, overrides = SERIES[series]
             for value in values:
-                report = run_bench(RECIPE, BASE + overrides(value), steps=args.steps, warmup=args.warmup,
-                                   synthetic=True, out=args.out / f"{series}-{value}")
+                out = args.out / f"{series}-{value}"
+                done = out / "bench-quickstart-grpo-cpu.json"
+                report = Report.read(done) if done.exists() else run_bench(
+                    RECIPE, BASE + overrides(value), steps=args.steps, warmup=args.warmup, synthetic=True, out=out)
                 runs.append((series, key, value, report))
     finally:
         import ray
