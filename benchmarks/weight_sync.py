@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from megarl.bench import Column, Report
+from megarl.bench.bounds import broadcast_seconds, memcpy_seconds
 from megarl.models import arch_from_hf, hf_param_shapes
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.server import start_cpu_engine
@@ -81,22 +82,6 @@ def write_checkpoint(config: dict, path: Path) -> None:
             handle.write(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 5, before_each=lambda: None) -> float:
-    """Median seconds of one single-threaded copy of `nbytes` (both buffers touched first: no page faults);
-    `before_each` runs before every timed copy (a barrier, to copy at the same moment as another process)."""
-    torch.set_num_threads(1)
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    target = torch.zeros(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(repeats):
-        before_each()
-        start = time.perf_counter()
-        target.copy_(source)
-        times.append(time.perf_counter() - start)
-    del source, target
-    return statistics.median(times)
-
-
 def concurrent_copy_rank(rank: int, nbytes: int, barrier, out: str) -> None:
     """One of two processes copying `nbytes` at the same moment."""
     Path(f"{out}.{rank}").write_text(str(memcpy_seconds(nbytes, before_each=barrier.wait)))
@@ -108,21 +93,6 @@ def two_copies_seconds(nbytes: int, workdir: Path) -> float:
     barrier = torch.multiprocessing.get_context("spawn").Barrier(2)
     run_processes(concurrent_copy_rank, [(rank, nbytes, barrier, str(workdir / "copy")) for rank in range(2)], 600)
     return max(float((workdir / f"copy.{rank}").read_text()) for rank in range(2))
-
-
-def gloo_rank(rank: int, port: int, sizes: list[int], out: str) -> None:
-    """Raw gloo broadcast of `sizes` pieces from rank 0 to rank 1 (receive buffer reused)."""
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    buffer = torch.ones(max(sizes), dtype=torch.uint8)
-    torch.distributed.barrier()
-    start = time.perf_counter()
-    for size in sizes:
-        torch.distributed.broadcast(buffer[:size], src=0)
-    torch.distributed.barrier()
-    if rank == 0:
-        Path(out).write_text(str(time.perf_counter() - start))
-    torch.distributed.destroy_process_group()
 
 
 def trainer_rank(rank: int, port: int, layout: TrainerLayout, config: dict, url: str, transports: list[str],
@@ -206,10 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         memcpy_s = memcpy_seconds(plan.nbytes)
         two_copies_s = two_copies_seconds(plan.nbytes, workdir)
-        sizes = [bucket.nbytes for bucket in plan.buckets]
-        port = free_port()
-        run_processes(gloo_rank, [(rank, port, sizes, str(workdir / "gloo.txt")) for rank in range(2)], 900)
-        gloo_s = float((workdir / "gloo.txt").read_text())
+        gloo_s = broadcast_seconds([bucket.nbytes for bucket in plan.buckets], timeout_s=900)
         write_checkpoint(config, workdir / "model")
         server = start_cpu_engine(workdir / "model", api_key=API_KEY, log_path=workdir / "server.log",
                                   startup_timeout_s=900, dtype="auto")

@@ -4,7 +4,7 @@ Every verb imports its implementation lazily so `megarl schema` does not pay
 for torch or ray. Bad input (`megarl.errors.InputError`) prints one line per
 problem on stderr and exits with status 2, never a traceback. `megarl train`
 stopped by SIGTERM/SIGINT after writing its checkpoint exits with status 75
-(`megarl.controller.preemption.EXIT_PREEMPTED`).
+(`megarl.controller.preemption.EXIT_PREEMPTED`), as does a stopped `megarl bench`.
 """
 
 from __future__ import annotations
@@ -59,6 +59,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"megarl: {stopped}", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     print(f"run finished: {run_dir}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.compare:
+        if args.recipe is not None:
+            raise InputError(f"bench: give a recipe to run or --compare REPORT..., not both (got {args.recipe})")
+        from megarl.bench.compare import write_comparison
+
+        markdown, path = write_comparison(args.compare, args.out)
+        print(markdown, end="")
+        print(f"wrote {path}")
+        return 0
+    if args.recipe is None:
+        raise InputError("bench: give a recipe to run, or --compare REPORT.json REPORT.json ...")
+    from megarl.bench.run import run_bench
+    from megarl.controller.preemption import EXIT_PREEMPTED, Preempted
+
+    try:
+        report = run_bench(args.recipe, args.overrides, steps=args.steps, warmup=args.warmup,
+                           synthetic=args.synthetic, out=args.out, peak_tflops=args.peak_tflops,
+                           ray_address=args.ray_address)
+    except Preempted:
+        print("megarl: bench stopped by a signal; no report written", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    print(report.to_markdown(with_settings=False), end="")
+    for suffix in ("json", "md"):
+        print(f"wrote {args.out / f'{report.name}.{suffix}'}")
     return 0
 
 
@@ -128,6 +156,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-resume", action="store_true",
                        help="start over even if the run dir holds a checkpoint (the old run dir is moved aside)")
     train.set_defaults(run=_cmd_train)
+
+    bench = verbs.add_parser("bench", help="throughput benchmark: W warm-up + K measured steps of a recipe, a "
+                                           "JSON + Markdown report; or --compare reports side by side")
+    bench.add_argument("recipe", type=Path, nargs="?", default=None, help="YAML recipe file")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one recipe value (repeatable), as for train")
+    bench.add_argument("--steps", type=int, default=5, metavar="K", help="measured steps (default 5)")
+    bench.add_argument("--warmup", type=int, default=2, metavar="W", help="warm-up steps before them (default 2)")
+    bench.add_argument("--synthetic", action="store_true",
+                       help="comparable runs: random prompts filling data.max_prompt_length, every response "
+                            "max_response_length tokens (ignore_eos)")
+    bench.add_argument("--out", type=Path, default=Path("bench"),
+                       help="directory for the report (bench-<name>.json/.md, or compare.md) and the run "
+                            "(default: bench)")
+    bench.add_argument("--peak-tflops", type=float, default=None,
+                       help="device peak for MFU, e.g. a datasheet's (default: measured with a matmul in the run)")
+    bench.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one in-process")
+    bench.add_argument("--compare", type=Path, nargs="+", default=None, metavar="REPORT",
+                       help="compare bench reports (JSON) side by side, as ratios to the first")
+    bench.set_defaults(run=_cmd_bench)
 
     plot = verbs.add_parser("plot", help="draw a run's metrics (score, KL, entropy, lengths, validation, timings) "
                                          "as one PNG")

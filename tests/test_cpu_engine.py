@@ -230,14 +230,24 @@ def test_finish_reasons_eos_stop_token_and_length(server, reference, model_dirs)
     ignored = generate(server, {"input_ids": EOS_PROMPT, "sampling_params": {**params, "ignore_eos": True}})
     assert len(ignored["output_ids"]) == 10
     assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    # SGLang checks the length limit first: an EOS drawn as the last allowed token ends by length.
+    at_limit = generate(server, {"input_ids": EOS_PROMPT, "sampling_params": {**params,
+                                                                           "max_new_tokens": EOS_STEP + 1}})
+    assert at_limit["output_ids"] == stopped["output_ids"]
+    assert at_limit["meta_info"]["finish_reason"] == {"type": "length", "length": EOS_STEP + 1}
 
-    continuation = greedy_continuation(reference, PROMPTS[0], 6)
+    continuation = greedy_continuation(reference, PROMPTS[0], 10)
     stop_token = continuation[2]
     first = continuation.index(stop_token)
-    body = {"input_ids": PROMPTS[0], "sampling_params": {**params, "ignore_eos": True, "stop_token_ids": [stop_token]}}
+    assert eos not in continuation
+    body = {"input_ids": PROMPTS[0], "sampling_params": {**params, "stop_token_ids": [stop_token]}}
     output = generate(server, body)
     assert output["output_ids"] == continuation[: first + 1]
     assert output["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
+    # As in SGLang, ignore_eos also ignores stop_token_ids (only stop strings still end a sequence).
+    output = generate(server, {**body, "sampling_params": {**body["sampling_params"], "ignore_eos": True}})
+    assert output["output_ids"] == continuation
+    assert output["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
     empty = generate(server, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 0}})
     assert empty["output_ids"] == [] and empty["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
 

@@ -27,6 +27,7 @@ from megarl.algorithms.kl import (
 from megarl.algorithms.losses import agg_loss, policy_loss, value_loss
 from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algorithms.metrics import (
+    OVERLAPPED_TIMINGS,
     TIMING_PHASES,
     compute_data_metrics,
     compute_throughput_metrics,
@@ -35,6 +36,7 @@ from megarl.algorithms.metrics import (
 )
 
 __all__ = [
+    "OVERLAPPED_TIMINGS",
     "TIMING_PHASES",
     "AdaptiveKLController",
     "FixedKLController",

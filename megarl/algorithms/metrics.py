@@ -30,6 +30,8 @@ TIMING_PHASES = (
     "update_weights",
     "step",
 )
+# Busy time of work that overlaps another phase (reward scoring runs during `gen`): not a slice of the step.
+OVERLAPPED_TIMINGS = ("reward_total",)
 
 
 def _mean_max_min(prefix: str, values: torch.Tensor) -> dict[str, float]:

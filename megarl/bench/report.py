@@ -152,7 +152,8 @@ class Report:
             "notes": self.notes,
         }
 
-    def to_markdown(self) -> str:
+    def to_markdown(self, *, with_settings: bool = True) -> str:
+        """The whole report; `with_settings=False` leaves out the settings table (a long resolved recipe)."""
         machine, lines = self.machine, [f"# {self.name}", ""]
         gpus = ", ".join(machine.get("gpus") or []) or "none"
         load = "/".join(f"{x:.2f}" for x in machine.get("load_average", []))
@@ -161,14 +162,12 @@ class Report:
             f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores ({machine.get('usable_cores')} usable), "
             f"{machine.get('memory_gib')} GiB memory, GPUs: {gpus}; load average (1/5/15 min) {load} at the end",
             "- versions: " + ", ".join(f"{name} {version}" for name, version in self.versions.items()),
-            "",
-            "## settings",
-            "",
         ]
-        settings = Table("settings", [Column("setting"), Column("value")])
-        for key, value in _flatten(self.settings):
-            settings.add_row(key, json.dumps(value) if isinstance(value, (list, dict)) else value)
-        lines.append(settings.to_markdown())
+        if with_settings:
+            settings = Table("settings", [Column("setting"), Column("value")])
+            for key, value in flatten_settings(self.settings):
+                settings.add_row(key, json.dumps(value) if isinstance(value, (list, dict)) else value)
+            lines += ["", "## settings", "", settings.to_markdown()]
         for table in self.tables:
             lines += ["", f"## {table.name}", "", table.to_markdown()]
         if self.notes:
@@ -217,12 +216,12 @@ class Report:
         return cls.from_dict(data, source=str(path))
 
 
-def _flatten(settings: dict, prefix: str = "") -> list[tuple[str, Cell | list]]:
+def flatten_settings(settings: dict, prefix: str = "") -> list[tuple[str, Cell | list]]:
     """Nested settings -> (dotted key, leaf) pairs, in insertion order."""
     pairs = []
     for key, value in settings.items():
         if isinstance(value, dict) and value:
-            pairs += _flatten(value, f"{prefix}{key}.")
+            pairs += flatten_settings(value, f"{prefix}{key}.")
         else:
             pairs.append((f"{prefix}{key}", value))
     return pairs

@@ -265,6 +265,10 @@ def _check_algorithm_and_data(recipe: Recipe, shape: dict[str, int] | None) -> l
         problems.append(
             _problem("data.synthetic", "give data.train_files or data.synthetic, not both", data.synthetic.task)
         )
+    synthetic_length = data.synthetic.prompt_length if data.synthetic is not None else None
+    if synthetic_length is not None and synthetic_length > data.max_prompt_length:
+        problems.append(_problem("data.synthetic.prompt_length",
+                                 f"longer than data.max_prompt_length = {data.max_prompt_length}", synthetic_length))
     has_val = bool(data.val_files) or (data.synthetic is not None and data.synthetic.num_val > 0)
     if recipe.trainer.val_every > 0 and not has_val:
         problems.append(

@@ -85,11 +85,17 @@ def read_hf_config(checkpoint_dir: str, *, key: str) -> dict[str, Any]:
 
 
 class SyntheticData(Section):
-    task: Literal["addition"] = Field(description="generated task family")
+    task: Literal["addition", "random_digits"] = Field(
+        description="generated task family: addition problems, or random digit strings of a fixed token length "
+        "(`megarl bench --synthetic`)"
+    )
     num_train: PositiveInt = Field(description="training prompts to generate")
     num_val: NonNegativeInt = Field(description="validation prompts to generate")
     seed: int = Field(0, description="generator seed (independent of the run seed)")
     max_operand: PositiveInt = Field(99, description="largest operand of the generated problems")
+    prompt_length: PositiveInt | None = Field(
+        None, description="random_digits: tokens in every prompt after the chat template; null = data.max_prompt_length"
+    )
 
 
 class DataConfig(Section):
@@ -110,6 +116,10 @@ class RolloutConfig(Section):
     temperature: NonNegativeFloat = Field(1.0, description="sampling temperature for training rollouts")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(-1, description="top-k sampling; -1 = off")
+    ignore_eos: bool = Field(
+        False, description="generate max_response_length tokens every time: neither EOS nor a stop token ends a "
+        "response (SGLang's ignore_eos; fixed response lengths for benchmarks)"
+    )
     val_temperature: NonNegativeFloat = Field(0.0, description="temperature for validation; 0 = greedy")
     num_servers: PositiveInt = Field(1, description="inference servers (engines) in the fleet")
     tp: PositiveInt = Field(1, description="tensor-parallel size of one server")
@@ -200,6 +210,10 @@ class SamplesConfig(Section):
 
 
 class CheckpointConfig(Section):
+    enabled: bool = Field(
+        True, description="write checkpoints (every save_every steps, after the last step, on a stop); false: none "
+        "at all (`megarl bench`)"
+    )
     save_every: NonNegativeInt = Field(0, description="save every this many steps; 0 = only at the end")
     keep_last: NonNegativeInt = Field(2, description="complete checkpoints kept on disk; 0 = keep all")
     resume: Literal["auto", "never"] = Field(

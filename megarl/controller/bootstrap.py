@@ -17,6 +17,7 @@ from megarl import atomic
 from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Recipe
 from megarl.data.dataset import PromptLoader, RLDataset
+from megarl.data.random_digits import write_random_digits_dataset
 from megarl.data.synthetic import write_arithmetic_dataset
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
@@ -49,10 +50,16 @@ def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
     train_files, val_files = list(data.train_files), list(data.val_files)
     if not train_files and data.synthetic is not None:
         synth = data.synthetic
-        train_path, val_path = write_arithmetic_dataset(
-            run_dir / "data", synth.num_train, synth.num_val, synth.seed, synth.max_operand
-        )
-        train_files, val_files = [str(train_path)], [str(val_path)]
+        if synth.task == "random_digits":
+            train_path, val_path = write_random_digits_dataset(
+                run_dir / "data", num_train=synth.num_train, num_val=synth.num_val, seed=synth.seed,
+                prompt_length=synth.prompt_length or data.max_prompt_length, tokenizer=tokenizer,
+            )
+        else:
+            train_path, val_path = write_arithmetic_dataset(
+                run_dir / "data", synth.num_train, synth.num_val, synth.seed, synth.max_operand
+            )
+        train_files, val_files = [str(train_path)], [str(val_path)] if val_path else []
     train_dataset = RLDataset(train_files, tokenizer, max_prompt_length=data.max_prompt_length,
                               prompt_key=data.prompt_key)
     val_dataset = (

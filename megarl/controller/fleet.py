@@ -48,6 +48,7 @@ def start_rollout_fleet(
         seed=recipe.seed,
         top_p=rollout.top_p,
         top_k=rollout.top_k,
+        ignore_eos=rollout.ignore_eos,
         max_concurrency=rollout.max_concurrency,
         routing=rollout.routing,
         router_policy=rollout.router_policy,

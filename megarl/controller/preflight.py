@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from megarl.config import Recipe
+from megarl.data import random_digits, synthetic
 from megarl.data.dataset import read_prompt_rows
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
@@ -24,6 +25,7 @@ from megarl.rewards.registry import build_scorers, check_data_sources
 # A run writes initial weights, data, logs and checkpoints: below this much free space it will not get far.
 MIN_FREE_BYTES = 256 << 20
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+SYNTHETIC_SOURCES = {"addition": synthetic.DATA_SOURCE, "random_digits": random_digits.DATA_SOURCE}
 
 
 def _checkpoint_problems(key: str, path: str | None) -> list[str]:
@@ -85,7 +87,7 @@ def check_inputs(recipe: Recipe) -> list[str]:
 
 def _check_data(recipe: Recipe) -> None:
     data, reward = recipe.data, recipe.reward
-    sources: set[str] = {"megarl/arithmetic"} if data.synthetic is not None else set()
+    sources: set[str] = {SYNTHETIC_SOURCES[data.synthetic.task]} if data.synthetic is not None else set()
     problems = []
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
         try:

@@ -34,7 +34,7 @@ from megarl.errors import InputError
 
 # What a run computes: its model and tokenizer, data and order, algorithm and losses, sampling, rewards.
 RESUME_BREAKING = ("seed", "model", "data", "algorithm", "actor", "critic", "rollout.n", "rollout.temperature",
-                   "rollout.top_p", "rollout.top_k", "reward")
+                   "rollout.top_p", "rollout.top_k", "rollout.ignore_eos", "reward")
 # How it is executed: layouts (distributed checkpoints load at any layout), micro-batching, the optimizer's
 # settings (the restored schedule takes the recipe's), the validation set.
 RESUME_ALLOWED = ("actor.parallel", "critic.parallel", "actor.optim", "critic.optim", "actor.ppo_micro_batch_size",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -138,9 +139,11 @@ def _tracker(recipe: Recipe, run_dir: Path, resume_from: StepCheckpoint | None) 
                    resume_step=resume_from.step if resume_from is not None else None)
 
 
-def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
+def train(recipe: Recipe, *, ray_address: str | None = None,
+          on_phase: Callable[[int, str], None] | None = None) -> Path:
     """Run `recipe` to its last step, resuming its run directory's newest checkpoint when it has one
-    (`trainer.checkpoint.resume: auto`); returns the run directory.
+    (`trainer.checkpoint.resume: auto`); returns the run directory. `on_phase(step, phase)` hears every
+    phase of every step begin (`megarl bench` draws its progress line with it).
 
     Joins `ray_address`, or the Ray already initialised in this process, or starts a
     local one (and then stops it at the end). On SIGTERM/SIGINT it checkpoints, stops
@@ -181,7 +184,7 @@ def train(recipe: Recipe, *, ray_address: str | None = None) -> Path:
                              cleanup=cleanup, resume_from=resume_from, preemption=preemption)
         preemption.on_request(roles.rollout.stop_generating)
         trainer = Trainer(roles, _step_settings(recipe, total_devices(pools)),
-                          stop_requested=lambda: preemption.requested)
+                          stop_requested=lambda: preemption.requested, on_phase=on_phase)
         loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
                         preemption=preemption, newest=resume_from)
         loop.run(start_step)

@@ -1,6 +1,7 @@
 """The run's loop over steps: train, write samples, validate, log, checkpoint, and stop cleanly when asked.
 
-A checkpoint is written every `save_every` steps and after the last one. When a stop
+A checkpoint is written every `save_every` steps and after the last one (none at all
+with `trainer.checkpoint.enabled: false`). When a stop
 is requested (`Preemption`), a step that has not begun to update is abandoned and the
 controller state it consumed (the loader's batch, the KL controller, the RNGs) is
 rolled back; an interrupted validation is skipped. The loop then saves the state after
@@ -24,6 +25,7 @@ from megarl.controller.tracking import Tracker
 from megarl.controller.trainer import StepAbandoned, Trainer
 from megarl.controller.validation import validate
 from megarl.protocol import Batch
+from megarl.protocol.op_timer import measure_batch_ops
 from megarl.rollout import GenerationInterrupted
 
 logger = logging.getLogger(__name__)
@@ -45,9 +47,11 @@ class StepLoop:
         for step in range(start_step, settings.total_steps):
             if self.preemption.requested:
                 self._stop(step)
-            before = self._state(step)
+            before, prompts = self._state(step), Batch.from_dict(next(self.data.train_batches))
             try:
-                metrics = self.trainer.step(step, Batch.from_dict(next(self.data.train_batches)))
+                with measure_batch_ops() as batch_ops:
+                    metrics = self.trainer.step(step, prompts)
+                metrics["perf/batch_ops_s"] = batch_ops.seconds
             except StepAbandoned as abandoned:
                 run_state.restore(before, loader=self.data.train_batches, kl_ctrl=self.data.kl_ctrl)
                 self.tracker.message(f"stop requested: step {step + 1} abandoned during {abandoned.args[0]}")
@@ -71,6 +75,8 @@ class StepLoop:
 
     def _save(self, step: int) -> None:
         checkpoint = self.recipe.trainer.checkpoint
+        if not checkpoint.enabled:
+            return
         self.newest = save_step(self.roles, self.run_dir, step=step, controller_state=self._state(step),
                                 recipe_text=dump_recipe(self.recipe), keep_last=checkpoint.keep_last,
                                 weights_only=checkpoint.weights_only)
@@ -80,7 +86,7 @@ class StepLoop:
         """Checkpoint the state after `step` complete steps unless the newest checkpoint holds it; raise Preempted."""
         if self.newest is None or self.newest.step < step:
             self._save(step)
-        raise Preempted(self.newest.step, self.newest.path)
+        raise Preempted(*((self.newest.step, self.newest.path) if self.newest is not None else (None, None)))
 
     def _validate(self, step: int) -> dict[str, float]:
         try:

@@ -60,10 +60,13 @@ class StepSettings:
 
 
 class Trainer:
-    def __init__(self, roles: Roles, settings: StepSettings, *, stop_requested: Callable[[], bool] = lambda: False):
+    def __init__(self, roles: Roles, settings: StepSettings, *, stop_requested: Callable[[], bool] = lambda: False,
+                 on_phase: Callable[[int, str], None] | None = None):
+        """`on_phase(step, phase)` hears each phase begin (`step` first), steps numbered from 1 (a progress line)."""
         self.roles = roles
         self.settings = settings
         self.stop_requested = stop_requested
+        self.on_phase = on_phase
         self.timings: dict[str, float] = {}
         self.last_batch: Batch | None = None  # the latest step's full batch (for sample logging)
         self._step = 0
@@ -76,6 +79,8 @@ class Trainer:
             raise StepAbandoned(phase)
         if phase != "step":
             logger.info("step %d: %s", self._step + 1, phase)  # where a stuck run is stuck
+        if self.on_phase is not None:
+            self.on_phase(self._step + 1, phase)
         start = time.perf_counter()
         try:
             yield

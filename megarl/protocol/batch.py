@@ -9,6 +9,8 @@ consistent Batch or raises an error naming the key and the sizes involved.
 Row selections (indexing, split, chunk) return views of the parent's tensors,
 and repeat/index share the Python objects inside non-tensor columns; pickling
 compacts tensor views, so a shard sent to a Ray worker carries only its rows.
+The operations count towards `op_timer.measure_batch_ops()` (the controller's
+overhead per step).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megarl.protocol.columns import (
     to_object_array,
     values_equal,
 )
+from megarl.protocol.op_timer import timed
 
 
 class Batch:
@@ -39,6 +42,7 @@ class Batch:
 
     __slots__ = ("_tensors", "_non_tensors", "meta")
 
+    @timed
     def __init__(
         self,
         tensors: dict[str, torch.Tensor] | None = None,
@@ -57,6 +61,7 @@ class Batch:
             raise ValueError(f"columns disagree on the batch size: {listing}")
 
     @classmethod
+    @timed
     def from_dict(cls, data: Mapping[str, Any], meta: dict | None = None) -> Batch:
         """Torch tensors become tensor columns; anything else (lists, numpy arrays) a 1-D object array."""
         tensors = {key: value for key, value in data.items() if isinstance(value, torch.Tensor)}
@@ -97,6 +102,7 @@ class Batch:
             raise KeyError(f"{action}: no key(s) {missing} in batch; it has {self.keys()}")
         return keys
 
+    @timed
     def __getitem__(self, index: Any) -> Any:
         """`b["key"]` is a column; any other index selects rows and returns a Batch."""
         if isinstance(index, str):
@@ -106,6 +112,7 @@ class Batch:
             raise TypeError(f"b[{index}]: an int selects no rows; use b[[{index}]] for a one-row Batch")
         return self._take(row_index(index, len(self)))
 
+    @timed
     def __setitem__(self, key: str, value: Any) -> None:
         """Add or replace one column; tensors become tensor columns, anything else an object array."""
         if not isinstance(key, str):
@@ -120,6 +127,7 @@ class Batch:
         self._non_tensors.pop(key, None)
         (self._tensors if isinstance(column, torch.Tensor) else self._non_tensors)[key] = column
 
+    @timed
     def select(self, keys: str | Iterable[str]) -> Batch:
         """A Batch with only `keys` (columns shared, meta copied)."""
         keys = set(self._require(keys, "select"))
@@ -129,6 +137,7 @@ class Batch:
             self.meta,
         )
 
+    @timed
     def pop(self, keys: str | Iterable[str]) -> Batch:
         """Remove `keys` from this batch and return them as a Batch (meta copied)."""
         popped = self.select(keys)
@@ -137,6 +146,7 @@ class Batch:
             self._non_tensors.pop(key, None)
         return popped
 
+    @timed
     def drop(self, keys: str | Iterable[str]) -> Batch:
         """A Batch without `keys`; this batch is unchanged."""
         keys = set(self._require(keys, "drop"))
@@ -152,6 +162,7 @@ class Batch:
             self.meta,
         )
 
+    @timed
     def repeat(self, n: int, interleave: bool = True) -> Batch:
         """Every sample `n` times: interleaved [a, a, b, b] or tiled [a, b, a, b]."""
         n = check_positive_int("repeat: n", n)
@@ -163,6 +174,7 @@ class Batch:
             non_tensors = {key: np.tile(value, n) for key, value in self._non_tensors.items()}
         return Batch(tensors, non_tensors, self.meta)
 
+    @timed
     def reorder(self, perm: Sequence[int] | np.ndarray | torch.Tensor) -> Batch:
         """Rows in the order `perm`, which must be a permutation of range(len(self))."""
         order = np.asarray(perm.cpu() if isinstance(perm, torch.Tensor) else perm)
@@ -173,11 +185,13 @@ class Batch:
             raise ValueError(f"reorder: perm is not a permutation of range({n})")
         return self._take(order.astype(np.int64, copy=False))
 
+    @timed
     def split(self, size: int) -> list[Batch]:
         """Consecutive Batches of `size` rows (the last may be smaller)."""
         size = check_positive_int("split: size", size)
         return [self._take(slice(start, start + size)) for start in range(0, len(self), size)]
 
+    @timed
     def chunk(self, n: int) -> list[Batch]:
         """`n` consecutive Batches whose sizes differ by at most one (the first len % n get the extra row)."""
         n = check_positive_int("chunk: n", n)
@@ -187,6 +201,7 @@ class Batch:
         bounds = np.cumsum([0] + [base + (i < extra) for i in range(n)])
         return [self._take(slice(int(start), int(stop))) for start, stop in zip(bounds[:-1], bounds[1:])]
 
+    @timed
     def balance(self, world_size: int, mask_key: str = "attention_mask") -> tuple[Batch, np.ndarray]:
         """(reordered batch, perm) such that `chunk(world_size)` gives near-equal token counts.
 
@@ -201,6 +216,7 @@ class Batch:
 
     # ----- combining ---------------------------------------------------------
 
+    @timed
     def union(self, other: Batch) -> Batch:
         """All columns of both; shared columns must be equal, meta values must agree."""
         if self.keys() and other.keys() and len(self) != len(other):
@@ -227,6 +243,7 @@ class Batch:
         )
 
     @staticmethod
+    @timed
     def concat(batches: Sequence[Batch]) -> Batch:
         """Rows of all `batches` in order; every batch must have the same keys and trailing shapes."""
         batches = list(batches)
@@ -260,10 +277,12 @@ class Batch:
 
     # ----- movement ----------------------------------------------------------
 
+    @timed
     def to(self, device: torch.device | str) -> Batch:
         """A Batch with every tensor on `device` (non-tensors and meta shared/copied)."""
         return Batch({key: value.to(device) for key, value in self._tensors.items()}, self._non_tensors, self.meta)
 
+    @timed
     def clone(self) -> Batch:
         """A fully independent copy: tensors cloned, non-tensor objects and meta deep-copied."""
         return Batch(
@@ -272,6 +291,7 @@ class Batch:
             copy.deepcopy(self.meta),
         )
 
+    @timed
     def __getstate__(self) -> dict:
         return {
             "tensors": {key: compact(value) for key, value in self._tensors.items()},

@@ -18,7 +18,7 @@ from typing import Any
 
 from megarl.errors import InputError
 from megarl.registry import REWARD_SCORERS
-from megarl.rewards import gsm8k
+from megarl.rewards import digits, gsm8k
 from megarl.rewards import math as math_reward
 
 Scorer = Callable[[str, str, dict], Any]
@@ -37,6 +37,11 @@ def _score_gsm8k(
 @REWARD_SCORERS.register(*MATH_SOURCES)
 def _score_math(solution_str: str, ground_truth: str, extra_info: dict) -> float:
     return math_reward.compute_score(solution_str, ground_truth)
+
+
+@REWARD_SCORERS.register("megarl/random_digits")
+def _score_random_digits(solution_str: str, ground_truth: str, extra_info: dict) -> float:
+    return digits.compute_score(solution_str)
 
 
 def import_scorer(data_source: str, import_path: str) -> Scorer:

@@ -95,6 +95,7 @@ class RolloutFleet:
         seed: int = 0,
         top_p: float = 1.0,
         top_k: int = -1,
+        ignore_eos: bool = False,
         max_concurrency: int = 256,
         routing: str = "client",
         router_policy: str = "cache_aware",
@@ -116,6 +117,8 @@ class RolloutFleet:
         self.sampling = {"max_new_tokens": max_response_length, "top_p": top_p, "top_k": top_k}
         if stop_token_ids:
             self.sampling["stop_token_ids"] = list(stop_token_ids)
+        if ignore_eos:  # every response max_response_length tokens long (SGLang ignores the stop tokens too)
+            self.sampling["ignore_eos"] = True
         self.seed, self.max_concurrency = seed, max_concurrency
         self.max_restarts, self.max_attempts, self.startup_timeout_s = max_restarts, max_attempts, startup_timeout_s
         self._weight_lock = threading.Lock()

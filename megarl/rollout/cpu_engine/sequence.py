@@ -5,7 +5,8 @@ thread and read back by the HTTP layer once `done` is set (or, for streaming,
 up to the length the worker last announced), so no lock is needed.
 
 Finishing follows SGLang: the token that stops a sequence (EOS or one of
-`stop_token_ids`) stays in `output_ids` and gets a log-prob, and finish reasons
+`stop_token_ids`, neither of which stops it under `ignore_eos`; reaching
+`max_new_tokens` wins over both) stays in `output_ids` and gets a log-prob, and finish reasons
 are `{"type": "length", "length": N}`, `{"type": "stop", "matched": ID or
 string}` or `{"type": "abort", "message": ...}`. Only the returned *text*
 drops the matched stop token/string, unless `no_stop_trim` is set.
@@ -90,12 +91,14 @@ class Sequence:
         self.output_logprobs.append(logprob)
         if top is not None:
             self.output_top_logprobs.append(top)
-        if token in self.sampling.stop_token_ids or (not self.sampling.ignore_eos and token in eos_token_ids):
+        # SGLang's order (Req.check_finished): the length limit first, then EOS and `stop_token_ids`, both
+        # skipped under `ignore_eos`, then stop strings, which `ignore_eos` leaves in force.
+        if len(self.output_ids) >= self.sampling.max_new_tokens:
+            self.finish({"type": "length", "length": len(self.output_ids)})
+        elif not self.sampling.ignore_eos and (token in self.sampling.stop_token_ids or token in eos_token_ids):
             self.finish({"type": "stop", "matched": token})
         elif self.sampling.stop_strings and decode is not None and (matched := self._matched_stop_string(decode)):
             self.finish({"type": "stop", "matched": matched})
-        elif len(self.output_ids) >= self.sampling.max_new_tokens:
-            self.finish({"type": "length", "length": len(self.output_ids)})
 
     def finish(self, reason: dict[str, Any]) -> None:
         if self.done:
