@@ -8,7 +8,9 @@ stopped by `ray.shutdown()` (by the PIDs it started), never by `ray stop`.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from contextlib import ExitStack
 
 # Worker processes inherit these: loopback only, no usage reporting, one
 # OpenMP thread per rank (PLATFORM.md: without it step times swing 60x).
@@ -66,3 +68,17 @@ def connect_ray(address: str) -> None:
 
     if not ray.is_initialized():
         ray.init(address=address, runtime_env={"env_vars": _worker_env()})
+
+
+def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> None:
+    """Join the cluster at `address`, or (none given, none running) start a local one that `cleanup` shuts down
+    and whose temp dir it removes."""
+    import ray
+
+    if address:
+        connect_ray(address)
+    elif not ray.is_initialized():
+        temp_dir = new_temp_dir()
+        cleanup.callback(shutil.rmtree, temp_dir, True)
+        start_local_ray(temp_dir=temp_dir, num_cpus=num_cpus)
+        cleanup.callback(ray.shutdown)

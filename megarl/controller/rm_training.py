@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.engine_worker import start_engine_group
 from megarl.controller.placement import plan_pools
 from megarl.controller.preflight import check_reward_model_training, prepare_run_dir
-from megarl.controller.ray_cluster import connect_ray, start_local_ray
+from megarl.controller.ray_cluster import ray_for_run
 from megarl.controller.roles import PolicyRole, RewardModelRole
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.tracking import Tracker
@@ -108,21 +107,20 @@ def reward_model_hf_config(hf_config: dict, *, pad_token_id: int, dtype: str) ->
             "pad_token_id": pad_token_id, "dtype": dtype, "torch_dtype": dtype}
 
 
-def _write_reward_model(path: Path, state: dict[str, torch.Tensor], config: dict, tokenizer: Any) -> None:
-    from safetensors.torch import save_file
-
-    dtype = getattr(torch, config["dtype"])
+def _write_reward_model(path: Path, group, config: dict, tokenizer: Any) -> None:
+    """The reward model of `group` as an HF checkpoint at `path`, all or nothing (the engine's rank 0 writes the
+    weights in the config's dtype)."""
     with atomic.new_directory(path) as partial:
-        save_file({name: tensor.to(dtype).contiguous() for name, tensor in state.items()},
-                  str(partial / "model.safetensors"), metadata={"format": "pt"})
+        group.run("save_hf_weights", str(partial / "model.safetensors"), dtype=config["dtype"])
         (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(partial)
 
 
-def _sft_warmed_backbone(recipe: Recipe, *, pool, weights: Path, hf_config: dict, run_dir: Path,
-                         tracker: Tracker) -> dict[str, torch.Tensor]:
+def _sft_warmed_backbone(recipe: Recipe, *, pool, weights: Path, hf_config: dict, run_dir: Path, out_dir: Path,
+                         tracker: Tracker) -> Path:
     """`weights` after `reward_model.train.sft_steps` supervised steps on the RL data's reference solutions (the
-    policy's warm-up code, without its early stop), in HF names; its engine group is gone afterwards."""
+    policy's warm-up code, without its early stop), saved as a weights-only checkpoint in `out_dir` (each rank
+    writes its shards; no full state dict passes through here); its engine group is gone afterwards."""
     steps = recipe.reward_model.train.sft_steps
     warmup = recipe.sft_warmup.model_copy(update={"steps": steps, "stop_loss": None})
     data = prepare_data(recipe, run_dir)
@@ -134,8 +132,10 @@ def _sft_warmed_backbone(recipe: Recipe, *, pool, weights: Path, hf_config: dict
     try:
         run_sft_warmup(PolicyRole(group, batching=logprob_batching(recipe)), data,
                        recipe.model_copy(update={"sft_warmup": warmup}), tracker)
+        shutil.rmtree(out_dir, ignore_errors=True)  # a rerun's
+        group.run("save_checkpoint", str(out_dir), weights_only=True)
         tracker.message(f"reward model backbone: {steps} supervised steps")
-        return next(sd for sd in group.run("hf_state_dict") if sd is not None)
+        return out_dir
     finally:
         group.kill()
 
@@ -147,8 +147,6 @@ def _validate(role: RewardModelRole, pairs: Pairs) -> dict[str, float]:
 
 def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> RewardModelResult:
     """Run `megarl train-rm` for `recipe`; returns where the reward model went and its final validation accuracy."""
-    import ray
-
     problems = check_reward_model_training(recipe)
     if problems:
         raise InputError(problems)
@@ -173,13 +171,7 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
     dtype = rm.dtype or recipe.model.dtype
 
     with ExitStack() as cleanup:
-        if ray_address:
-            connect_ray(ray_address)
-        elif not ray.is_initialized():
-            ray_dir = tempfile.mkdtemp(prefix="megarl-ray-")
-            cleanup.callback(shutil.rmtree, ray_dir, True)
-            start_local_ray(temp_dir=ray_dir, num_cpus=8)
-            cleanup.callback(ray.shutdown)
+        ray_for_run(cleanup, ray_address)
         logging = recipe.trainer.logging
         tracker = Tracker(log_dir, total_steps=total_steps, jsonl=logging.jsonl, tensorboard=logging.tensorboard,
                           console=logging.console)
@@ -189,7 +181,7 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
         warmed = None
         if train.sft_steps > 0:
             warmed = _sft_warmed_backbone(recipe, pool=pool, weights=weights, hf_config=hf_config, run_dir=run_dir,
-                                          tracker=tracker)
+                                          out_dir=log_dir / "sft_backbone", tracker=tracker)
         group = start_engine_group(pool, name="reward_model", kind="reward", parallel=rm.parallel.model_dump(),
                                    hf_config=hf_config, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
                                    transformer_impl=recipe.model.transformer_impl,
@@ -197,7 +189,7 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
                                    log_dir=None)
         cleanup.callback(group.kill)
         if warmed is not None:
-            group.run("load_hf_state_dict", warmed)  # the backbone; the score head starts at zero
+            group.run("load_policy_checkpoint", str(warmed))  # the backbone; the score head starts at zero
         role = RewardModelRole(group, batching=reward_scoring_batching(recipe))
         settings = preference_update_settings(recipe)
         rng = np.random.default_rng(recipe.seed)
@@ -210,7 +202,6 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
                 if step == total_steps or (train.val_every and step % train.val_every == 0):
                     metrics.update(_validate(role, val_pairs))
                 tracker.log(step, metrics)
-        state = next(sd for sd in group.run("hf_state_dict") if sd is not None)
-    config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=dtype)
-    _write_reward_model(Path(rm.path).expanduser(), state, config, rm_tokenizer)
+        config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=dtype)
+        _write_reward_model(Path(rm.path).expanduser(), group, config, rm_tokenizer)
     return RewardModelResult(Path(rm.path).expanduser(), metrics["val/rm_accuracy"], step)

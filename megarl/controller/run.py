@@ -35,7 +35,7 @@ from megarl.controller.memory import MemoryCycle
 from megarl.controller.placement import plan_pools, total_devices
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
-from megarl.controller.ray_cluster import connect_ray, new_temp_dir, start_local_ray
+from megarl.controller.ray_cluster import ray_for_run
 from megarl.controller.resume import resume_or_start
 from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
@@ -149,8 +149,6 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
     local one (and then stops it at the end). On SIGTERM/SIGINT it checkpoints, stops
     everything it started and raises `Preempted`.
     """
-    import ray
-
     problems = check_checkpoints(recipe)
     if problems:
         raise InputError(problems)
@@ -170,13 +168,7 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
     with controller_log(run_dir), ExitStack() as cleanup:
         tracker = _tracker(recipe, run_dir, resume_from)
         cleanup.callback(tracker.close)
-        if ray_address:
-            connect_ray(ray_address)
-        elif not ray.is_initialized():
-            ray_dir = new_temp_dir()
-            cleanup.callback(shutil.rmtree, ray_dir, True)
-            start_local_ray(temp_dir=ray_dir, num_cpus=8)
-            cleanup.callback(ray.shutdown)
+        ray_for_run(cleanup, ray_address)
         # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
         preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
         pools = plan_pools(recipe)

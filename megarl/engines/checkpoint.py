@@ -205,13 +205,15 @@ def save_checkpoint(
     return ckpt_dir
 
 
-def _check_same_model(info: CheckpointInfo, model: GPTModelChunks, ckpt_dir: Path) -> None:
+def _check_same_model(info: CheckpointInfo, model: GPTModelChunks, ckpt_dir: Path, *,
+                      backbone_only: bool = False) -> None:
     saved = arch_from_hf(info.hf_config)
     ours = model.arch
-    # Only dimensions decide whether tensors fit; max_position_embeddings etc. may differ.
+    # Only dimensions decide whether tensors fit; max_position_embeddings etc. may differ. Whether the LM head
+    # is tied matters only where the head is loaded.
     fields = ("model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-              "num_query_groups", "head_dim", "vocab_size", "qkv_bias", "qk_layernorm", "tie_word_embeddings",
-              "num_experts", "moe_ffn_hidden_size")
+              "num_query_groups", "head_dim", "vocab_size", "qkv_bias", "qk_layernorm",
+              *(() if backbone_only else ("tie_word_embeddings",)), "num_experts", "moe_ffn_hidden_size")
     problems = [
         f"checkpoint {ckpt_dir}: {name}={getattr(saved, name)!r}, the engine's model has {getattr(ours, name)!r}"
         for name in fields
@@ -233,7 +235,7 @@ def load_policy_weights(model: GPTModelChunks, ckpt_dir: str | Path, *, backbone
     reads only the shards its own parameters need.
     """
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
-    _check_same_model(read_checkpoint_info(ckpt_dir), model, ckpt_dir)
+    _check_same_model(read_checkpoint_info(ckpt_dir), model, ckpt_dir, backbone_only=backbone_only)
     loaded = dist_checkpointing.load(sharded_model_state(model, backbone_only=backbone_only), str(ckpt_dir))
     _load_into_chunks(model, loaded, backbone_only=backbone_only)
 
