@@ -110,6 +110,18 @@ def _cmd_train_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    from megarl.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    from megarl.controller.warmup import warm_up
+
+    out = warm_up(recipe, args.hf, ray_address=args.ray_address)
+    print(f"warmed-up policy written: {out} (start runs from it with --set model.path={out} "
+          "--set sft_warmup.steps=0)")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from megarl.engines.export import export_checkpoint
 
@@ -191,6 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(train_rm)
     train_rm.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     train_rm.set_defaults(run=_cmd_train_rm)
+
+    warmup = verbs.add_parser(
+        "warmup", help="run only the recipe's supervised warm-up and write the warmed policy as HF (runs then "
+        "start from it: model.path, sft_warmup.steps=0)"
+    )
+    _add_recipe_args(warmup)
+    warmup.add_argument("--hf", type=Path, required=True, help="output directory for the HF checkpoint (new)")
+    warmup.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
+    warmup.set_defaults(run=_cmd_warmup)
 
     export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl checkpoint")
     export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")

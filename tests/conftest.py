@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,21 @@ def ray_session():
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def warmed_quickstart(ray_session, tmp_path_factory) -> Path:
+    """The quickstart model after the recipe's own supervised warm-up (`megarl warmup`), as an HF checkpoint dir,
+    made once per session. The learning tests start RL from it (`model.path`, `sft_warmup.steps=0`), which is
+    where their recipes' own warm-up would leave them: the GRPO, PPO and reward-model quickstarts share one
+    model, one data set and one `sft_warmup`."""
+    from megarl.config import load_recipe
+    from megarl.controller.warmup import warm_up
+
+    root = tmp_path_factory.mktemp("warmed")
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml",
+                         [f"trainer.output_dir={root}", "trainer.logging.console=false"])
+    return warm_up(recipe, root / "hf")
 
 
 def pytest_collection_modifyitems(config, items):

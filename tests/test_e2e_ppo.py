@@ -85,9 +85,11 @@ def test_ppo_with_both_kl_options_logs_the_contract(ray_session, tmp_path):
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.slow
-def test_ppo_improves_the_training_score(ray_session, tmp_path):
-    # The recipe's own warm-up (stopped by loss) and critic warm-up, then PPO steps, without validation.
-    records = _run(tmp_path, "learn", "trainer.total_steps=14", "trainer.val_every=0")
+def test_ppo_improves_the_training_score(warmed_quickstart, tmp_path):
+    # From where the recipe's own warm-up (stopped by loss) leaves the policy (and the critic's backbone), the
+    # critic warm-up, then PPO steps, without validation.
+    records = _run(tmp_path, "learn", "trainer.total_steps=14", "trainer.val_every=0",
+                   f"model.path={warmed_quickstart}", "sft_warmup.steps=0")
     scores = [record["critic/score/mean"] for record in records if "critic/score/mean" in record]
     assert len(scores) == 14
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4

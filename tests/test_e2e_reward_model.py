@@ -37,11 +37,15 @@ def _records(path: Path) -> list[dict]:
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.slow
-def test_a_policy_trained_on_the_reward_model_alone_gets_better_at_the_rule(ray_session, tmp_path):
+def test_a_policy_trained_on_the_reward_model_alone_gets_better_at_the_rule(warmed_quickstart, tmp_path):
+    # The reward model gets the recipe's own 200 supervised steps; the policy starts where the recipe's warm-up
+    # (the quickstart's, shared by the session) leaves it. (A reward model started from that warmed policy
+    # instead learned a weaker signal here, mean rm_rule_corr 0.25, and the policy's validation score fell.)
     common = [f"trainer.output_dir={tmp_path}", f"reward_model.path={tmp_path / 'rm'}",
               "trainer.logging.console=false"]
     result = train_reward_model(load_recipe(RECIPE, [*common, "reward_model.train.synthetic.num_train=32000"]))
-    run_dir = train(load_recipe(RECIPE, [*common, "trainer.total_steps=20", "trainer.val_every=20"]))
+    run_dir = train(load_recipe(RECIPE, [*common, "trainer.total_steps=20", "trainer.val_every=20",
+                                         f"model.path={warmed_quickstart}", "sft_warmup.steps=0"]))
     records = _records(run_dir / "metrics.jsonl")
     steps = [r for r in records if "timing_s/step" in r]
     before, after = records[0]["val/score/mean"], steps[-1]["val/score/mean"]

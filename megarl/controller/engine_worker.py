@@ -121,7 +121,7 @@ class MegatronWorker:
         self.engine.load_policy_checkpoint(ckpt_dir)
 
     def save_hf_weights(self, path: str, *, dtype: str) -> None:
-        """A reward model's weights (backbone and `score.weight`) as one HF safetensors file (rank 0 writes)."""
+        """The engine's weights (a reward model's with `score.weight`) as one HF safetensors file (rank 0 writes)."""
         self.engine.save_hf_weights(path, dtype=dtype)
 
     def reset_optimizer_state(self) -> None:

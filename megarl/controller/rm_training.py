@@ -14,7 +14,6 @@ the pad id, the tokenizer) written atomically to `reward_model.path`.
 from __future__ import annotations
 
 import json
-import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,6 @@ from megarl import atomic
 from megarl.config import Recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
-    logprob_batching,
-    optimizer_settings,
     preference_update_settings,
     reward_model_optimizer_settings,
     reward_scoring_batching,
@@ -38,9 +35,9 @@ from megarl.controller.engine_worker import start_engine_group
 from megarl.controller.placement import plan_pools
 from megarl.controller.preflight import check_reward_model_training, prepare_run_dir
 from megarl.controller.ray_cluster import ray_for_run
-from megarl.controller.roles import PolicyRole, RewardModelRole
-from megarl.controller.sft import run_sft_warmup
+from megarl.controller.roles import RewardModelRole
 from megarl.controller.tracking import Tracker
+from megarl.controller.warmup import warmed_up_checkpoint
 from megarl.data.preference import read_pairs, write_arithmetic_preferences
 from megarl.data.rm_inputs import RewardModelInputs
 from megarl.data.tokenizer import load_tokenizer
@@ -116,30 +113,6 @@ def _write_reward_model(path: Path, group, config: dict, tokenizer: Any) -> None
         tokenizer.save_pretrained(partial)
 
 
-def _sft_warmed_backbone(recipe: Recipe, *, pool, weights: Path, hf_config: dict, run_dir: Path, out_dir: Path,
-                         tracker: Tracker) -> Path:
-    """`weights` after `reward_model.train.sft_steps` supervised steps on the RL data's reference solutions (the
-    policy's warm-up code, without its early stop), saved as a weights-only checkpoint in `out_dir` (each rank
-    writes its shards; no full state dict passes through here); its engine group is gone afterwards."""
-    steps = recipe.reward_model.train.sft_steps
-    warmup = recipe.sft_warmup.model_copy(update={"steps": steps, "stop_loss": None})
-    data = prepare_data(recipe, run_dir)
-    group = start_engine_group(pool, name="reward_model_sft", kind="policy",
-                               parallel=recipe.reward_model.parallel.model_dump(), hf_config=hf_config,
-                               weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
-                               transformer_impl=recipe.model.transformer_impl,
-                               optimizer=optimizer_settings(recipe, "actor"), log_dir=None)
-    try:
-        run_sft_warmup(PolicyRole(group, batching=logprob_batching(recipe)), data,
-                       recipe.model_copy(update={"sft_warmup": warmup}), tracker)
-        shutil.rmtree(out_dir, ignore_errors=True)  # a rerun's
-        group.run("save_checkpoint", str(out_dir), weights_only=True)
-        tracker.message(f"reward model backbone: {steps} supervised steps")
-        return out_dir
-    finally:
-        group.kill()
-
-
 def _validate(role: RewardModelRole, pairs: Pairs) -> dict[str, float]:
     margin = role.score(pairs.chosen) - role.score(pairs.rejected)
     return {"val/rm_accuracy": float((margin > 0).float().mean()), "val/rm_margin": float(margin.mean())}
@@ -180,8 +153,12 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
         cleanup.callback(pool.release)
         warmed = None
         if train.sft_steps > 0:
-            warmed = _sft_warmed_backbone(recipe, pool=pool, weights=weights, hf_config=hf_config, run_dir=run_dir,
-                                          out_dir=log_dir / "sft_backbone", tracker=tracker)
+            # The policy's warm-up code on the RL data's reference solutions, for a fixed number of steps.
+            warmup = recipe.sft_warmup.model_copy(update={"steps": train.sft_steps, "stop_loss": None})
+            warmed = warmed_up_checkpoint(recipe.model_copy(update={"sft_warmup": warmup}), pool=pool,
+                                          parallel=rm.parallel.model_dump(), weights=weights, hf_config=hf_config,
+                                          data=prepare_data(recipe, run_dir), tracker=tracker,
+                                          out_dir=log_dir / "sft_backbone")
         group = start_engine_group(pool, name="reward_model", kind="reward", parallel=rm.parallel.model_dump(),
                                    hf_config=hf_config, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
                                    transformer_impl=recipe.model.transformer_impl,

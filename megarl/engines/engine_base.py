@@ -186,6 +186,16 @@ class MegatronEngine:
         cpu_compat.install()
         return hf_weights.hf_state_dict(self.model)
 
+    def save_hf_weights(self, path: str, *, dtype: str) -> None:
+        """`hf_state_dict()` in `dtype` as one safetensors file at `path`, written by global rank 0 (collective).
+        Small models only, as `hf_state_dict`; large ones go through `save_checkpoint` and `megarl export`."""
+        from safetensors.torch import save_file
+
+        state = self.hf_state_dict()
+        if torch.distributed.get_rank() == 0:
+            save_file({name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in state.items()},
+                      path, metadata={"format": "pt"})
+
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         cpu_compat.install()
         hf_weights.load_hf_state_dict(self.model, state_dict, backbone_only=self._backbone_only)

@@ -150,16 +150,6 @@ class RewardModelEngine(MegatronEngine):
         state[SCORE_HEAD] = broadcast_from_last_stage(weight, (1, self.model.arch.hidden_size)).cpu()
         return state
 
-    def save_hf_weights(self, path: str, *, dtype: str) -> None:
-        """`hf_state_dict()` in `dtype` as one safetensors file at `path`, written by global rank 0 (collective).
-        The RM of `megarl train-rm` is small; every rank holds the gathered model while this runs."""
-        from safetensors.torch import save_file
-
-        state = self.hf_state_dict()
-        if torch.distributed.get_rank() == 0:
-            save_file({name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in state.items()},
-                      path, metadata={"format": "pt"})
-
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """The backbone of `state_dict`, and its `score.weight` when it has one (else the head is zeroed)."""
         cpu_compat.install()
