@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from megarl.data.padding import left_pad, position_ids_from_mask
-from megarl.data.rows import preview, raise_problems
+from megarl.data.rows import preview, read_checked_rows
 from megarl.errors import InputError
 
 logger = logging.getLogger(__name__)
@@ -51,20 +50,9 @@ def _row_problems(row: dict, prompt_key: str) -> list[str]:
 
 def read_prompt_rows(paths: Sequence[Path], prompt_key: str) -> list[dict]:
     """All rows of the parquet files; InputError naming the file and row of every unusable one."""
-    raise_problems([f"data file {path}: no such file" for path in paths if not path.is_file()])
     if not paths:
         raise InputError("data files: the list is empty")
-    rows, problems = [], []
-    for path in paths:
-        try:
-            records = pq.read_table(path).to_pylist()
-        except Exception as error:  # pyarrow raises several types for a corrupt file
-            raise InputError(f"data file {path}: not a readable parquet file ({type(error).__name__})") from error
-        for row_number, row in enumerate(records):
-            problems.extend(f"{path} row {row_number}: {problem}" for problem in _row_problems(row, prompt_key))
-            rows.append(row)
-    raise_problems(problems)
-    return rows
+    return read_checked_rows(paths, what="data file", row_problems=lambda row: _row_problems(row, prompt_key))
 
 
 def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]]) -> list[list[int]]:

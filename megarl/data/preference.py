@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megarl import atomic
-from megarl.data.rows import preview, raise_problems
+from megarl.data.rows import preview, read_checked_rows
 from megarl.data.synthetic import arithmetic_pairs, arithmetic_rows
 from megarl.errors import InputError
 
@@ -55,17 +55,7 @@ def _row_problems(row: dict) -> list[str]:
 
 def read_pairs(paths: Sequence[Path]) -> list[dict]:
     """All pair rows of the parquet files; InputError naming the file and row of every unusable one."""
-    raise_problems([f"pair file {path}: no such file" for path in paths if not path.is_file()])
-    rows, problems = [], []
-    for path in paths:
-        try:
-            records = pq.read_table(path).to_pylist()
-        except Exception as error:  # pyarrow raises several types for a corrupt file
-            raise InputError(f"pair file {path}: not a readable parquet file ({type(error).__name__})") from error
-        for number, row in enumerate(records):
-            problems.extend(f"{path} row {number}: {problem}" for problem in _row_problems(row))
-            rows.append(row)
-    raise_problems(problems)
+    rows = read_checked_rows(paths, what="pair file", row_problems=_row_problems)
     if not rows:
         raise InputError(f"pair files {[str(p) for p in paths]}: no pairs")
     return rows

@@ -6,7 +6,7 @@ them with `write_rows`, so all parquet files share one explicit Arrow schema.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -69,3 +69,21 @@ def preview(value: object, limit: int = 60) -> str:
     """A short repr of a bad value for an error line."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_checked_rows(paths: Sequence[Path], *, what: str,
+                      row_problems: Callable[[dict], list[str]]) -> list[dict]:
+    """All rows of the parquet files (`what`: "data file", "pair file"); InputError naming the file and row of
+    every unusable one (`row_problems(row)` says what is wrong with a row)."""
+    raise_problems([f"{what} {path}: no such file" for path in paths if not path.is_file()])
+    rows, problems = [], []
+    for path in paths:
+        try:
+            records = pq.read_table(path).to_pylist()
+        except Exception as error:  # pyarrow raises several types for a corrupt file
+            raise InputError(f"{what} {path}: not a readable parquet file ({type(error).__name__})") from error
+        for number, row in enumerate(records):
+            problems.extend(f"{path} row {number}: {problem}" for problem in row_problems(row))
+            rows.append(row)
+    raise_problems(problems)
+    return rows
