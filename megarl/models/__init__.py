@@ -30,7 +30,7 @@ from megarl.models.sharding import (
     shard_for_rank,
     tp_split_dim,
 )
-from megarl.models.spec import MODEL_SPECS, Arch, ModelSpec, arch_from_hf, get_spec, transformer_kwargs
+from megarl.models.spec import MODEL_SPECS, Arch, ModelSpec, arch_from_hf, config_problems, transformer_kwargs
 
 __all__ = [
     "MODEL_SPECS",
@@ -41,9 +41,9 @@ __all__ = [
     "arch_from_hf",
     "canonical_name",
     "chunk_param_names",
+    "config_problems",
     "experts_per_rank",
     "fill_from_pieces",
-    "get_spec",
     "global_expert_name",
     "global_layer_index",
     "hf_param_shapes",
