@@ -167,7 +167,9 @@ class CriticConfig(Section):
     )
     ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
     cliprange_value: PositiveFloat = Field(0.5, description="value clipping range around the old values")
-    loss_agg_mode: LossAggMode = Field("token-mean", description="how token value losses are averaged")
+    loss_agg_mode: LossAggMode | None = Field(
+        None, description="how token value losses are averaged; null = actor.loss_agg_mode (load_recipe fills it in)"
+    )
     warmup_steps: NonNegativeInt = Field(
         0,
         description="the first warmup_steps steps train only the critic; the actor is frozen and no weights "
