@@ -102,8 +102,8 @@ def test_ray_placement_lives_in_the_controller_only():
     assert not offending, offending
 
 
-@pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "LOSS_AGG_MODES", "KL_PENALTIES",
-                                           "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
+@pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "LOSS_AGG_MODES",
+                                           "KL_PENALTIES", "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
 def test_each_registry_loads_its_builtins_from_a_lower_layer(registry_name):
     import megarl.registry
 
