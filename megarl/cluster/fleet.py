@@ -53,6 +53,7 @@ def start_rollout_fleet(
         routing=rollout.routing,
         router_policy=rollout.router_policy,
         use_ray=True,
+        startup_timeout_s=rollout.startup_timeout_s,
         placements=host_placements(pool, num_servers=rollout.num_servers, tp=rollout.tp),
     )
 
@@ -82,6 +83,7 @@ def start_judge_fleet(recipe: Recipe, *, pool: ResourcePool, tokenizer: Any, api
         seed=recipe.seed,
         max_concurrency=judge.max_concurrency,
         use_ray=True,
+        startup_timeout_s=recipe.rollout.startup_timeout_s,
         placements=host_placements(pool, num_servers=judge.num_servers, tp=judge.tp),
     )
 
