@@ -583,7 +583,7 @@ def test_importing_config_pulls_no_heavy_dependencies() -> None:
 
 def test_throughput_counts_every_device_of_the_placement(cluster: Path) -> None:
     """perf/throughput divides by all devices the run holds, not the actor's pool (no Ray needed to plan)."""
-    from megarl.controller.placement import plan_pools, total_devices
+    from megarl.cluster.placement import plan_pools, total_devices
 
     disaggregated = plan_pools(load_recipe(cluster, [*DISAGGREGATED, "rollout.num_servers=2"]))
     assert disaggregated["actor"].world_size == 8 and total_devices(disaggregated) == 16
