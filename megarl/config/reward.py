@@ -56,7 +56,13 @@ class JudgeConfig(Section):
         "the row's prompt), {response} (the decoded response), {ground_truth} and {data_source}; the "
         "judge's chat template is applied to it",
     )
-    parser: JudgeParser = Field("last_number", description="how the judge's output becomes a score")
+    parser: JudgeParser = Field(
+        "score_tag",
+        description="how the judge's output becomes a score: score_tag (the number in the last "
+        "<score>...</score>; ask for it in prompt_template), last_number (the last number; a verdict ending on a "
+        "fraction such as 7/10 is a parse failure), fraction (the last a/b read as a / b: 7/10 is 0.7), yes_no "
+        "(a final yes 1, no 0)",
+    )
     score_range: tuple[float, float] = Field(
         (0.0, 10.0), description="[lowest, highest] score the judge may give; a parsed score outside is a parse failure"
     )
