@@ -168,11 +168,16 @@ class SyntheticPairs(Section):
 
 
 class RewardModelTraining(Section):
-    """`megarl train-rm`: a Bradley-Terry fit, -log sigmoid(score(chosen) - score(rejected)), on preference
-    pairs; writes the HF checkpoint the reward-model role loads to `reward_model.path`."""
+    """`megarl train-rm`: a Bradley-Terry fit, -log sigmoid(score(chosen) - score(rejected) - margin), on
+    preference pairs; writes the HF checkpoint the reward-model role loads to `reward_model.path`, with the
+    tokenizer's pad id (its EOS when it has no pad token, which the log says; the score is then read before a
+    trailing EOS, by HF as in training)."""
 
     train_files: list[str] = Field(
-        default_factory=list, description="parquet files of pairs: prompt (chat messages), chosen, rejected (text)"
+        default_factory=list,
+        description="parquet files of pairs: prompt (chat messages), chosen, rejected (text), and optionally "
+        "margin (a number per pair: the loss becomes -log sigmoid(s_c - s_r - margin), as in TRL and OpenRLHF; "
+        "0 without the column)",
     )
     val_files: list[str] = Field(default_factory=list, description="validation pairs (same columns)")
     synthetic: SyntheticPairs | None = Field(None, description="generate the pairs instead of reading files")
@@ -200,8 +205,8 @@ class RewardModelTraining(Section):
 
 
 class RewardModelConfig(Section):
-    """The reward-model role: a Megatron engine (the GPT backbone plus a scalar score head read at the last
-    valid token) scoring every generated row."""
+    """The reward-model role: a Megatron engine (the GPT backbone plus a scalar score head read at HF's pooling
+    token: the rightmost token that is not the checkpoint's pad_token_id) scoring every generated row."""
 
     path: str = Field(
         description="HF *ForSequenceClassification checkpoint with num_labels 1 (Skywork-Reward and the "
