@@ -107,8 +107,9 @@ class JudgeConfig(Section):
 
 class RemoteRewardConfig(Section):
     """The user's reward service: one `POST url` per row, JSON in and out (schema in
-    `megarl.rewards.remote`). A row that still fails after the retries fails the step naming its uid;
-    it is never scored 0 in silence."""
+    `megarl.rewards.remote`). A row that still fails after the retries fails the step naming its uid, or
+    leaves its group (`on_failure: drop`); it is never scored 0 in silence. The service is called only when
+    `reward.combine` uses the model-side score."""
 
     url: str = Field(description="http(s) endpoint that scores one row per POST")
     max_concurrency: PositiveInt = Field(32, description="requests in flight at once")
@@ -116,6 +117,12 @@ class RemoteRewardConfig(Section):
     retries: NonNegativeInt = Field(3, description="attempts after the first for a row whose request failed")
     backoff_s: PositiveFloat = Field(0.5, description="wait before the first retry; doubled for each further one")
     headers: dict[str, str] = Field(default_factory=dict, description="HTTP headers sent with every request")
+    on_failure: Literal["fail", "drop"] = Field(
+        "fail",
+        description="a row that still fails after the retries: fail = the step fails naming every such row; "
+        "drop = the row leaves its group (no loss, not in its group's baseline, not in the step's score and "
+        "length metrics), counted in reward/remote_failed",
+    )
 
     @field_validator("url")
     @classmethod
@@ -140,8 +147,9 @@ class RewardConfig(Section):
         description="how the outcome reward is made from the rule score and the model-side score rm_scores "
         "(reward_model, reward.judge or reward.remote): rule = the rule score; rm = the model-side score; "
         "sum = weights.rule * rule + weights.rm * rm; rule_gated = the model-side score where the rule score "
-        "reaches gate.pass_threshold, gate.fail_score elsewhere. With 'rule' a configured model side is "
-        "still scored and logged (reward/rm_score, reward/rm_rule_corr), not trained on",
+        "reaches gate.pass_threshold, gate.fail_score elsewhere. With 'rule' a configured reward model or judge "
+        "is still scored and logged (reward/rm_score, reward/rm_rule_corr), not trained on; a remote service is "
+        "not called",
     )
     weights: CombineWeights = Field(default_factory=CombineWeights, description="weights of combine: sum")
     gate: RewardGate = Field(default_factory=RewardGate, description="the gate of combine: rule_gated")
