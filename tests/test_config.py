@@ -93,6 +93,17 @@ def test_valid_recipe_fills_defaults_and_derived_dp(cluster: Path) -> None:
     assert recipe.actor.optim.betas == (0.9, 0.999)
 
 
+def test_the_critics_loss_agg_mode_defaults_to_the_actors(cluster: Path) -> None:
+    # As verl's critic config: critic.loss_agg_mode = ${actor.loss_agg_mode} unless the recipe sets it.
+    assert load_recipe(cluster).critic.loss_agg_mode == "token-mean"
+    inherited = load_recipe(cluster, ["actor.loss_agg_mode=seq-mean-token-sum-norm"])
+    assert inherited.critic.loss_agg_mode == "seq-mean-token-sum-norm"
+    own = load_recipe(cluster, ["actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=token-mean"])
+    assert own.critic.loss_agg_mode == "token-mean"
+    (line,) = problems_of(cluster, ["critic.loss_agg_mode=mean"])
+    assert "critic.loss_agg_mode: unknown loss_agg_mode 'mean'; known: seq-mean-token-mean" in line
+
+
 def test_layout_resolution(cluster: Path) -> None:
     recipe = load_recipe(cluster)
     assert active_roles(recipe) == ("actor", "critic", "rollout")

@@ -149,8 +149,8 @@ def test_no_import_cycles():
     assert not cycles, "\n".join(cycles)
 
 
-@pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "LOSS_AGG_MODES", "KL_PENALTIES",
-                                           "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
+@pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "LOSS_AGG_MODES",
+                                           "KL_PENALTIES", "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
 def test_each_registry_loads_its_builtins_from_a_lower_layer(registry_name):
     import megarl.registry
 

@@ -15,7 +15,7 @@ import pytest
 from megarl.cli import main
 from megarl.config import load_recipe
 from megarl.config.reward import JudgeConfig
-from megarl.controller import fleet as controller_fleet
+from megarl.cluster import fleet as controller_fleet
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
