@@ -39,6 +39,19 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """The actor's LoRA adapters (`actor.lora`): rank r, alpha (the update is scaled by alpha / r), dropout on
+    the adapter's input, the Megatron linears adapted, how A is initialised (B starts at 0) and from which seed."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    init: str
+    seed: int
+
+
+@dataclass(frozen=True)
 class PolicyLossSettings:
     """The PPO policy loss: clipping, aggregation, entropy bonus and the optional KL-to-reference term."""
 

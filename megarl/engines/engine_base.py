@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.config.settings import Batching, OptimizerSettings
-from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights, offload
+from megarl.config.settings import Batching, LoraSettings, OptimizerSettings
+from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights, lora, offload
 from megarl.engines.gpt import GPTModelChunks
 from megarl.engines.losses import dp_sum
 from megarl.engines.optim import TrainState, build_train_state
@@ -59,6 +59,8 @@ class MegatronEngine:
     _update_calls: int = 0
     _offloaded: offload.Offloaded | None = None  # what the last offload(s) moved, until onload
     _backbone_only = False  # a value model keeps its own head when it loads a policy's weights
+    lora_settings: LoraSettings | None = None  # a policy with LoRA adapters on a frozen base
+    base_weights: dict | None = None  # with LoRA: where the frozen base came from ({"path", "seed"})
 
     def _build(self, hf_config: dict, *, params_dtype, transformer_impl: str, value_head: bool) -> None:
         """The model of this rank (at the layout Megatron was initialised with); weights are loaded by the head."""
@@ -171,20 +173,25 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ weights
 
+    @staticmethod
+    def _weights_of(chunk: torch.nn.Module) -> dict[str, Tensor]:
+        """A chunk's weights as the policy computes with them: LoRA adapters (when on) merged into their linears."""
+        return lora.merged_weights(chunk, gpt.chunk_weights(chunk))
+
     def weight_shards(self) -> WeightShards:
         shards = {
             (chunk_index, name): tensor
             for chunk_index, chunk in enumerate(self.model.chunks)
-            for name, tensor in gpt.chunk_weights(chunk).items()
+            for name, tensor in self._weights_of(chunk).items()
         }
         return WeightShards(shards, len(self.model.chunks), self.model.arch, self.model.padded_vocab)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """Full HF-named float32 CPU weights on every rank (collective over TP and PP). For tests and small
-        models: every rank then holds the whole model; `save_checkpoint` + `load_policy_checkpoint` hand weights
-        to another engine without that."""
+        """Full HF-named float32 CPU weights on every rank (collective over TP and PP), LoRA adapters merged. For
+        tests and small models: every rank then holds the whole model; `save_checkpoint` +
+        `load_policy_checkpoint` hand weights to another engine without that."""
         cpu_compat.install()
-        return hf_weights.hf_state_dict(self.model)
+        return hf_weights.hf_state_dict(self.model, self._weights_of)
 
     def save_hf_weights(self, path: str, *, dtype: str) -> None:
         """`hf_state_dict()` in `dtype` as one safetensors file at `path`, written by global rank 0 (collective).
