@@ -115,6 +115,7 @@ class WeightSyncSettings:
     verify: str
     timeout_s: float
     disk_dir: str
+    lora: str  # with LoRA: "merged" weights, or "adapter" only
 
 
 def _updates_per_step(recipe: Recipe, section) -> int:
@@ -202,7 +203,17 @@ def weight_sync_settings(recipe: Recipe, run_dir: Path) -> WeightSyncSettings:
         verify=sync.verify,
         timeout_s=sync.timeout_s,
         disk_dir=str(Path(run_dir) / "weight_sync"),
+        lora=sync.lora,
     )
+
+
+def lora_settings(recipe: Recipe) -> LoraSettings | None:
+    """The actor's LoRA adapters (None: full fine-tuning); adapters are initialised from the run seed."""
+    lora = recipe.actor.lora
+    if lora is None:
+        return None
+    return LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.target_modules),
+                        init=lora.init, seed=recipe.seed)
 
 
 def reward_scoring_batching(recipe: Recipe) -> Batching:
