@@ -212,6 +212,14 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ checkpoints and memory
 
+    def _lora_record(self) -> dict | None:
+        """What a LoRA policy's checkpoint records of its adapters and base (None: full weights)."""
+        settings = self.lora_settings
+        if settings is None:
+            return None
+        return {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout,
+                "targets": list(settings.targets), "init": settings.init, "base": self.base_weights}
+
     def save_checkpoint(self, ckpt_dir: str | Path, *, weights_only: bool = False) -> Path:
         """Weights (+ optimizer and LR schedule when trainable and not `weights_only`) to `ckpt_dir`, loadable at
         any layout; collective. `megarl export` turns it into an HF checkpoint."""
@@ -224,13 +232,15 @@ class MegatronEngine:
             tokenizer_path=self.tokenizer_path,
             engine_state={"update_calls": self._update_calls},
             weights_only=weights_only,
+            lora_record=self._lora_record(),
         )
 
     def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool) -> None:
         """Load a checkpoint saved at any layout; collective. `load_optimizer=False` restores
         only the weights (the optimizer and LR schedule keep their current state)."""
         cpu_compat.install()
-        engine_state = checkpoint.load_checkpoint(self.model, self.train, ckpt_dir, load_optimizer=load_optimizer)
+        engine_state = checkpoint.load_checkpoint(self.model, self.train, ckpt_dir, load_optimizer=load_optimizer,
+                                                  lora_record=self._lora_record())
         if load_optimizer:
             self._update_calls = int(engine_state.get("update_calls", self._update_calls))
 
