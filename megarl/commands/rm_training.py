@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from megarl import atomic
-from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.placement import plan_pools
 from megarl.cluster.ray_cluster import ray_for_run
 from megarl.commands.warmup import warmed_up_checkpoint
@@ -108,7 +108,7 @@ def _write_reward_model(path: Path, group, config: dict, tokenizer: Any) -> None
     """The reward model of `group` as an HF checkpoint at `path`, all or nothing (the engine's rank 0 writes the
     weights in the config's dtype)."""
     with atomic.new_directory(path) as partial:
-        group.run("save_hf_weights", str(partial / "model.safetensors"), dtype=config["dtype"])
+        group.run(MegatronWorker.save_hf_weights, str(partial / "model.safetensors"), dtype=config["dtype"])
         (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(partial)
 
@@ -166,7 +166,7 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
                                    log_dir=None)
         cleanup.callback(group.kill)
         if warmed is not None:
-            group.run("load_policy_checkpoint", str(warmed))  # the backbone; the score head starts at zero
+            group.run(MegatronWorker.load_policy_checkpoint, str(warmed))  # the backbone; the score head starts at zero
         role = RewardModelRole(group, batching=reward_scoring_batching(recipe))
         settings = preference_update_settings(recipe)
         rng = np.random.default_rng(recipe.seed)
