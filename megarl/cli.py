@@ -91,7 +91,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from megarl.controller.plots import plot_runs
+    from megarl.tracking.plots import plot_runs
 
     out = plot_runs([args.run_dir, *args.compare], out=args.out)
     print(f"plot written: {out}")
@@ -102,7 +102,7 @@ def _cmd_train_rm(args: argparse.Namespace) -> int:
     from megarl.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    from megarl.controller.rm_training import train_reward_model
+    from megarl.commands.rm_training import train_reward_model
 
     result = train_reward_model(recipe, ray_address=args.ray_address)
     print(f"reward model written: {result.path} (validation accuracy {result.val_accuracy:.3f} after {result.steps} "
@@ -114,7 +114,7 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     from megarl.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    from megarl.controller.warmup import warm_up
+    from megarl.commands.warmup import warm_up
 
     out = warm_up(recipe, args.hf, ray_address=args.ray_address)
     print(f"warmed-up policy written: {out} (start runs from it with --set model.path={out} "
@@ -123,10 +123,18 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from megarl.engines.export import export_checkpoint
+    if args.lora is not None:
+        from megarl.engines.lora_export import export_peft
 
-    out = export_checkpoint(args.checkpoint, args.hf)
-    print(f"HF checkpoint written: {out}")
+        print(f"PEFT adapter written: {export_peft(args.checkpoint, args.lora)}")
+    elif args.merge is not None:
+        from megarl.engines.lora_export import export_merged
+
+        print(f"HF checkpoint with the LoRA adapters merged written: {export_merged(args.checkpoint, args.merge)}")
+    else:
+        from megarl.engines.export import export_checkpoint
+
+        print(f"HF checkpoint written: {export_checkpoint(args.checkpoint, args.hf)}")
     return 0
 
 
@@ -215,7 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl checkpoint")
     export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")
-    export.add_argument("--hf", type=Path, required=True, help="output directory for the HF checkpoint")
+    output = export.add_mutually_exclusive_group(required=True)
+    output.add_argument("--hf", type=Path, help="output directory for the HF checkpoint")
+    output.add_argument("--lora", type=Path, help="a LoRA checkpoint's adapters as a PEFT adapter dir "
+                        "(adapter_config.json + adapter_model.safetensors)")
+    output.add_argument("--merge", type=Path, help="a LoRA checkpoint's adapters merged into its base: an HF "
+                        "checkpoint dir")
     export.set_defaults(run=_cmd_export)
 
     schema = verbs.add_parser("schema", help="print the recipe JSON Schema")

@@ -87,7 +87,7 @@ def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: st
 
     Returns, on trainer rank 0, each push's metrics, the server's digests and reported version after it.
     """
-    from megarl.controller.engine_worker import MegatronWorker
+    from megarl.cluster.engine_worker import MegatronWorker
 
     worker = MegatronWorker(rank=rank, world_size=4)
     worker.engine = policy_engine(checkpoint)
@@ -99,7 +99,7 @@ def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: st
                                                    ("tensor", "checksum"),
                                                    ("tensor", "none")]):
         settings = WeightSyncSettings(transport=transport, bucket_mb=0.05, verify=verify, timeout_s=60,
-                                      disk_dir=disk_dir)
+                                      disk_dir=disk_dir, lora="merged")
         metrics = worker.push_weights(urls=[url], api_key=API_KEY, version=version, settings=settings)
         if rank == 0:
             results[version] = (metrics, server_digests(client), client.model_info()[0]["weight_version"])
@@ -114,12 +114,12 @@ def megatron_moe_ep_push(*, rank: int, checkpoint: str, url: str) -> dict | None
 
     Returns, on trainer rank 0, the push's metrics and the server's digests after it.
     """
-    from megarl.controller.engine_worker import MegatronWorker
+    from megarl.cluster.engine_worker import MegatronWorker
 
     worker = MegatronWorker(rank=rank, world_size=2)
     worker.engine = policy_engine(checkpoint)
     settings = WeightSyncSettings(transport="tensor", bucket_mb=0.05, verify="checksum", timeout_s=60,
-                                  disk_dir="unused")
+                                  disk_dir="unused", lora="merged")
     metrics = worker.push_weights(urls=[url], api_key=API_KEY, version="ep", settings=settings)
     digests = None
     if rank == 0:

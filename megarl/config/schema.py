@@ -146,6 +146,13 @@ class RolloutConfig(Section):
         "(safe when several runs share a machine)",
     )
     mem_fraction: float = Field(0.8, gt=0.0, le=1.0, description="share of accelerator memory a server may take")
+    startup_timeout_s: PositiveFloat = Field(
+        900.0,
+        description="seconds a starting (or restarted) server may take to answer /health, rollout and judge "
+        "servers alike; a server that exits fails at once. 900: SGLang's own tests allow 600 s to launch their "
+        "8B model (Llama-3.1-8B) with CUDA-graph capture from a local disk; a fleet reads its checkpoint from a "
+        "shared filesystem, every server at once",
+    )
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang server arguments, passed through")
     engine_threads: PositiveInt = Field(1, le=MAX_THREADS, description="torch threads of one CPU engine")
     routing: Literal["client", "router"] = Field(
@@ -196,6 +203,12 @@ class WeightSyncConfig(Section):
     bucket_mb: PositiveInt = Field(512, description="size of one transfer bucket in MiB")
     verify: Literal["none", "checksum"] = Field("none", description="checksum every synced tensor (debugging)")
     timeout_s: Seconds = Field(600.0, description="one sync may take at most this long")
+    lora: Literal["merged", "adapter"] = Field(
+        "merged", description="with actor.lora: merged = W + (alpha/r) B A of the adapted weights through the "
+        "transport (the servers need no LoRA support); adapter = only the adapters, loaded as a LoRA adapter that "
+        "every generation names (transport tensor: /load_lora_adapter_from_tensors on colocated servers; disk: "
+        "/load_lora_adapter from the run directory, which the servers must see)"
+    )
 
 
 class WandbConfig(Section):

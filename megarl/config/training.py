@@ -22,7 +22,7 @@ from pydantic import (
     field_validator,
 )
 
-from megarl.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, Registry
+from megarl.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES, Registry
 
 
 def registered(registry: Registry) -> Any:
@@ -67,6 +67,7 @@ INT64 = (-(2**63), 2**63 - 1)
 AdvantageEstimator = registered(ADVANTAGE_ESTIMATORS)
 KLPenalty = registered(KL_PENALTIES)
 LossAggMode = registered(LOSS_AGG_MODES)
+PolicyLoss = registered(POLICY_LOSSES)
 
 
 def _accepts_bool(annotation: Any) -> bool:
@@ -173,6 +174,33 @@ class Optim(Section):
     min_lr: NonNegativeFloat = Field(0.0, le=MAX_LR, description="floor of the cosine/linear decay (at most lr)")
 
 
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LORA_TARGETS = get_args(LoraTarget)
+
+
+class LoraConfig(Section):
+    rank: PositiveInt = Field(16, description="LoRA rank r of every adapter")
+    alpha: PositiveFloat = Field(32.0, description="LoRA alpha: an adapter adds (alpha / rank) * B A x")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on each adapter's input (training only)")
+    target_modules: list[LoraTarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="Megatron linears that get adapters: linear_qkv (q/k/v_proj), linear_proj (o_proj), linear_fc1 "
+        "(gate/up_proj), linear_fc2 (down_proj); in an MoE model linear_fc1/linear_fc2 adapt every expert",
+    )
+    init: Literal["kaiming", "gaussian"] = Field(
+        "kaiming", description="A's initialisation (B starts at 0): kaiming-uniform as peft's default, or "
+        "gaussian N(0, 1/rank)"
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _no_repeats(cls, targets: list[str]) -> list[str]:
+        repeated = sorted({name for name in targets if targets.count(name) > 1})
+        if repeated:
+            raise ValueError(f"each module at most once (repeated: {repeated})")
+        return targets
+
+
 class ActorConfig(Section):
     parallel: Parallel = Field(default_factory=Parallel, description="Megatron layout of the actor")
     optim: Optim = Field(description="actor optimizer")
@@ -185,6 +213,13 @@ class ActorConfig(Section):
     )
     ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
     shuffle: bool = Field(True, description="shuffle samples before splitting into mini-batches")
+    policy_loss: PolicyLoss = Field(
+        "ppo_clip",
+        description="the policy loss: ppo_clip (the clipped PPO surrogate with dual clip), gspo (one ratio per "
+        "sequence, the geometric mean of its token ratios, clipped per sequence; its paper uses clip_ratio_low "
+        "3e-4 and clip_ratio_high 4e-4) or cispo (a clipped, detached importance weight times the log-prob; no "
+        "token's gradient is dropped). All read clip_ratio_low/high; only ppo_clip reads clip_ratio_c",
+    )
     clip_ratio_low: NonNegativeFloat = Field(0.2, description="PPO clip: ratio lower bound is 1 - clip_ratio_low")
     clip_ratio_high: NonNegativeFloat = Field(0.2, description="PPO clip: ratio upper bound is 1 + clip_ratio_high")
     clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound for negative advantages (> 1)")
@@ -195,6 +230,10 @@ class ActorConfig(Section):
     kl_loss_type: KLPenalty = Field("low_var_kl", description="KL estimator used in the actor loss")
     logprob_micro_batch_size: PositiveInt | None = Field(
         None, description="samples per rank for log-prob forwards; null = ppo_micro_batch_size"
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train LoRA adapters on a frozen base instead of every weight; the reference policy is "
+        "then the actor with its adapters off (no reference engine runs); null = full fine-tuning"
     )
 
 
@@ -213,7 +252,9 @@ class CriticConfig(Section):
     )
     ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
     cliprange_value: PositiveFloat = Field(0.5, description="value clipping range around the old values")
-    loss_agg_mode: LossAggMode = Field("token-mean", description="how token value losses are averaged")
+    loss_agg_mode: LossAggMode | None = Field(
+        None, description="how token value losses are averaged; null = actor.loss_agg_mode (load_recipe fills it in)"
+    )
     warmup_steps: NonNegativeInt = Field(
         0,
         description="the first warmup_steps steps train only the critic; the actor is frozen and no weights "

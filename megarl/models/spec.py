@@ -1,14 +1,15 @@
 """Architecture specs: which HF decoder families megarl supports and their dimensions.
 
-A registry keyed by the HF config's explicit `model_type` (never a substring of a
-model name) says how each family differs from plain Llama: Qwen2 always has a QKV
+A registry (`megarl.registry.MODEL_SPECS`) keyed by the HF config's explicit
+`model_type` (never a substring of a model name) says how each family differs from
+plain Llama: Qwen2 always has a QKV
 bias, Qwen3 RMS-normalises q and k per head, Qwen3-MoE is Qwen3 with a top-k routed
 mixture of experts in place of every MLP. `arch_from_hf` turns an HF config dict
 into an `Arch` (the dimensions every layout map and the engine builder use) and
 `transformer_kwargs` into the keyword arguments a Megatron GPT model needs;
 `config_problems` lists everything wrong with a config first (the recipe checks
-reach it through `megarl.registry.MODEL_TYPES`, so `validate` refuses what the
-engines could not build). Pure:
+reach it through the registered spec, so `validate` refuses what the engines
+could not build). Pure:
 no megatron import, so the resharding plan can reuse it anywhere.
 """
 
@@ -19,7 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.errors import InputError
-from megarl.registry import MODEL_TYPES
+from megarl.registry import MODEL_SPECS
+
+
+# (key, message, value): one problem of an HF config, for the caller to place (model.config.<key>, a file).
+ConfigProblem = tuple[str, str, Any]
 
 
 @dataclass(frozen=True)
@@ -33,13 +38,18 @@ class ModelSpec:
     # Every decoder layer's MLP is a mixture of experts (HF keys num_experts, moe_intermediate_size, ...).
     moe: bool = False
 
+    def config_problems(self, hf_config: dict) -> list[ConfigProblem]:
+        """Every reason this family's model cannot be built from `hf_config` (see `config_problems`)."""
+        return config_problems(hf_config, self)
 
-MODEL_SPECS: dict[str, ModelSpec] = {
-    "llama": ModelSpec("llama", always_qkv_bias=False, qk_layernorm=False),
-    "qwen2": ModelSpec("qwen2", always_qkv_bias=True, qk_layernorm=False),
-    "qwen3": ModelSpec("qwen3", always_qkv_bias=False, qk_layernorm=True),
-    "qwen3_moe": ModelSpec("qwen3_moe", always_qkv_bias=False, qk_layernorm=True, moe=True),
-}
+
+for _spec in (
+    ModelSpec("llama", always_qkv_bias=False, qk_layernorm=False),
+    ModelSpec("qwen2", always_qkv_bias=True, qk_layernorm=False),
+    ModelSpec("qwen3", always_qkv_bias=False, qk_layernorm=True),
+    ModelSpec("qwen3_moe", always_qkv_bias=False, qk_layernorm=True, moe=True),
+):
+    MODEL_SPECS.add(_spec.model_type, _spec)
 
 # Megatron's RotaryEmbedding hard-codes these Llama-3 scaling constants.
 _LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -88,9 +98,6 @@ _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 _MOE_SIZES = ("moe_intermediate_size", "num_experts_per_tok")
 DEFAULT_MAX_POSITIONS = 4096
 
-# (key, message, value): one problem of an HF config, for the caller to place (model.config.<key>, a file).
-ConfigProblem = tuple[str, str, Any]
-
 
 def _size_problem(key: str, value: Any) -> ConfigProblem | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
@@ -126,14 +133,19 @@ def _supported_features(hf_config: dict, spec: ModelSpec) -> list[ConfigProblem]
     return problems
 
 
-def config_problems(hf_config: dict) -> list[ConfigProblem]:
-    """Every reason megarl cannot build (or HF cannot load) a model from `hf_config`: an unknown family, sizes
-    that are not positive integers or do not divide, non-finite constants, unsupported features. Empty when
-    `arch_from_hf` will succeed."""
+def get_spec(hf_config: dict) -> ModelSpec:
+    """The registered spec for `hf_config["model_type"]`; InputError for anything else."""
     model_type = hf_config.get("model_type")
-    if model_type not in MODEL_SPECS:
-        return [("model_type", f"not supported; known: {', '.join(sorted(MODEL_SPECS))}", model_type)]
-    spec = MODEL_SPECS[model_type]
+    if not isinstance(model_type, str) or model_type not in MODEL_SPECS:
+        raise InputError(
+            f"model config: model_type={model_type!r} is not supported; known: {', '.join(MODEL_SPECS.names())}"
+        )
+    return MODEL_SPECS.get(model_type).target
+
+
+def config_problems(hf_config: dict, spec: ModelSpec) -> list[ConfigProblem]:
+    """Every reason megarl cannot build a `spec` model from `hf_config`: sizes that are not positive integers
+    or do not divide, non-finite constants, unsupported features. Empty when `arch_from_hf` will succeed."""
     problems = [(key, "required key missing", None) for key in _REQUIRED_SIZES if key not in hf_config]
     problems += [problem for key in _REQUIRED_SIZES if key in hf_config
                  if (problem := _size_problem(key, hf_config[key])) is not None]
@@ -214,10 +226,10 @@ def _rope(hf_config: dict) -> tuple[float, float | None]:
 
 def arch_from_hf(hf_config: dict) -> Arch:
     """Validate an HF config dict and extract the dimensions; InputError names each bad key and value."""
-    problems = config_problems(hf_config)
+    spec = get_spec(hf_config)
+    problems = spec.config_problems(hf_config)
     if problems:
         raise InputError([f"model config: {key}: {message} (got {value!r})" for key, message, value in problems])
-    spec = MODEL_SPECS[hf_config["model_type"]]
     heads = hf_config["num_attention_heads"]
     groups = hf_config.get("num_key_value_heads") or heads
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
@@ -285,8 +297,3 @@ def transformer_kwargs(hf_config: dict) -> dict:
         # Softmax-then-top-k keeps HF's probabilities un-renormalised (norm_topk_prob=False).
         "moe_router_pre_softmax": arch.is_moe and not arch.moe_norm_topk_prob,
     }
-
-
-# The recipe checks reach the families (and their config check) through the registry, without importing models.
-for _spec in MODEL_SPECS.values():
-    MODEL_TYPES.add(_spec.model_type, _spec, config_problems=config_problems)
