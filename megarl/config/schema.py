@@ -30,10 +30,13 @@ from megarl.config.training import (
     registered,
 )
 from megarl.errors import InputError
+from megarl.userfiles import directory_problem, file_problem, read_bounded
 from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 
 WeightSyncTransport = registered(WEIGHT_SYNC_TRANSPORTS)
 Role = Literal["actor", "critic", "reference", "rollout", "reward_model", "judge"]
+# An HF config.json is a few KiB; one far larger is not a config.
+MAX_CONFIG_BYTES = 16 << 20
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -86,11 +89,16 @@ def _check_agrees(inline: dict[str, Any], loaded: dict[str, Any], config_file: P
 def read_hf_config(checkpoint_dir: str, *, key: str) -> dict[str, Any]:
     """`<checkpoint_dir>/config.json` as a dict; InputError lines name `key` (the recipe key holding the dir)."""
     config_file = _config_file(checkpoint_dir)
+    problem = directory_problem(Path(checkpoint_dir).expanduser())
+    if problem not in (None, "no such directory"):
+        raise InputError(f"{key}: {problem} (got {checkpoint_dir!r})")
+    if file_problem(config_file) == "no such file":
+        raise InputError(f"{key}: {config_file} not found (got {checkpoint_dir!r})")
     try:
-        loaded = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise InputError(f"{key}: {config_file} not found (got {checkpoint_dir!r})") from None
-    except (OSError, ValueError) as error:
+        loaded = json.loads(read_bounded(config_file, MAX_CONFIG_BYTES))
+    except InputError as error:  # not a regular file, or too large for a config
+        raise InputError(f"{key}: {error.problems[0]} (got {checkpoint_dir!r})") from None
+    except (OSError, ValueError, RecursionError) as error:
         raise InputError(f"{key}: cannot read {config_file}: {error} (got {checkpoint_dir!r})") from None
     if not isinstance(loaded, dict):
         raise InputError(f"{key}: {config_file} is not a JSON object (got {type(loaded).__name__})")

@@ -21,6 +21,7 @@ from megarl.controller.bootstrap import build_datasets, dataset_size_problems, v
 from megarl.data.dataset import read_prompt_rows
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
+from megarl.userfiles import directory_problem, file_problem, special_entries
 from megarl.rewards.registry import build_scorers, check_data_sources, ground_truth_checks
 
 # A run writes initial weights, data, logs and checkpoints: below this much free space it will not get far.
@@ -30,14 +31,16 @@ _FIELD = re.compile(r"for field '(\w+)'")
 
 
 def _checkpoint_problems(key: str, path: str | None) -> list[str]:
-    """A model dir must hold config.json and safetensors weights."""
+    """A model dir must be a directory holding a regular config.json and safetensors weights (no FIFO or device:
+    reading one would block or never end)."""
     if path is None:
         return []
     where = Path(path).expanduser()
-    if not where.is_dir():
-        return [f"{key}: no such directory (got {path!r})"]
-    problems = []
-    if not (where / "config.json").is_file():
+    problem = directory_problem(where)
+    if problem is not None:
+        return [f"{key}: {problem} (got {path!r})"]
+    problems = [f"{key}: {problem} (got {path!r})" for problem in special_entries(where)]
+    if file_problem(where / "config.json") == "no such file":
         problems.append(f"{key}: {where / 'config.json'} not found (got {path!r})")
     if not any((where / name).is_file() for name in WEIGHT_FILES):
         problems.append(f"{key}: {where} holds neither {' nor '.join(WEIGHT_FILES)} (got {path!r})")
