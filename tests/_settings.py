@@ -1,5 +1,5 @@
-"""Engine settings for tests: the library's settings have no defaults (the recipe holds them), so the
-engine tests build theirs here, naming only what a test varies."""
+"""Settings for tests: the library's settings have no defaults (the recipe holds them), so the engine and
+rollout tests build theirs here, naming only what a test varies."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from megarl.config.settings import (
     OptimizerSettings,
     PolicyLossSettings,
     PolicyUpdateSettings,
+    SamplingSettings,
     ValueUpdateSettings,
 )
 
@@ -45,3 +46,10 @@ def value_update(*, micro_batch_size: int, max_tokens: int | None = None, epochs
     return ValueUpdateSettings(epochs=epochs, mini_batch_size=mini_batch_size,
                                batching=batching(micro_batch_size, max_tokens), shuffle=shuffle, seed=seed,
                                cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode)
+
+
+def sampling(max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
+             stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False) -> SamplingSettings:
+    """SGLang's own defaults (temperature 1, top-p and top-k off, no stop tokens) except what a test names."""
+    return SamplingSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
