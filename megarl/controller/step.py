@@ -144,6 +144,7 @@ class Trainer:
             max_response_length=self.settings.max_response_length,
             max_prompt_length=self.settings.max_prompt_length,
             values=batch["values"] if "values" in batch else None,
+            kept=~batch["dropped"] if "dropped" in batch else None,  # rows a failed remote reward dropped
         )
         metrics["rollout/logprob_diff"] = float(
             rollout_logprob_diff(batch["rollout_log_probs"], batch["old_log_probs"], mask)
