@@ -176,7 +176,8 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
                                           out_dir=log_dir / "sft_backbone")
         # Trained with the pooling token the written checkpoint states (its pad id), so HF scores it alike.
         group = start_engine_group(pool, name="reward_model", kind="reward", parallel=rm.parallel.model_dump(),
-                                   hf_config={**hf_config, "pad_token_id": inputs.pad_id}, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
+                                   hf_config={**hf_config, "pad_token_id": inputs.pad_id}, weights=str(weights),
+                                   seed=recipe.seed, params_dtype=dtype,
                                    transformer_impl=recipe.model.transformer_impl,
                                    optimizer=reward_model_optimizer_settings(recipe, train_pairs=len(train_pairs)),
                                    log_dir=None)
