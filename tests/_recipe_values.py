@@ -102,38 +102,18 @@ def _build_everything(recipe: Recipe, run_dir: Path, tiny_model) -> None:
     import torch
     from transformers import AutoConfig
 
-    from megarl.config.settings import (
-        logprob_batching,
-        optimizer_settings,
-        policy_update_settings,
-        value_update_settings,
-    )
+    from megarl.config import settings
     from megarl.controller.bootstrap import prepare_data
     from megarl.data.dataset import PromptLoader
     from megarl.engines.gpt import resolve_dtype, transformer_config
     from megarl.engines.optim import build_train_state
     from megarl.models.spec import arch_from_hf
     from megarl.rollout.cpu_engine.schema import GenerateBody
-    from megarl.rollout.dispatch import group_body
+    from megarl.rollout.sampling import generate_body
 
     hf_config = recipe.model.hf_config()
     AutoConfig.for_model(**hf_config)
     transformer_config(arch_from_hf(hf_config), params_dtype=resolve_dtype(recipe.model.dtype))
-
-    logprob_batching(recipe), policy_update_settings(recipe)
-    roles = ["actor"] + (["critic"] if recipe.critic is not None else [])
-    if recipe.critic is not None:
-        value_update_settings(recipe)
-    for role in roles:
-        chunks, config = tiny_model()
-        state = build_train_state(chunks, config, optimizer_settings(recipe, role))
-        for chunk in state.ddp_chunks:
-            for param in chunk.parameters():
-                param.main_grad.fill_(0.01)
-        state.step()
-        if role == "actor" and recipe.sft_warmup.steps:
-            state.step_with_lr(recipe.sft_warmup.lr)  # the warm-up's steps
-        assert all(torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()), role
 
     data = prepare_data(recipe, run_dir)
     batch = next(data.train_batches)
@@ -143,14 +123,30 @@ def _build_everything(recipe: Recipe, run_dir: Path, tiny_model) -> None:
     if recipe.sft_warmup.steps:
         next(PromptLoader(data.train_dataset, recipe.sft_warmup.batch_size, shuffle=True, seed=recipe.seed + 1))
 
-    rollout = recipe.rollout
+    eos = data.tokenizer.eos_token_id
+    sampling = settings.rollout_sampling(recipe, eos_token_id=eos)
+    settings.step_settings(recipe, sampling=sampling, num_devices=1)
+    settings.policy_update_settings(recipe, sampling=sampling)
+    settings.logprob_batching(recipe)
     prompt = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
-    for temperature in (rollout.temperature, rollout.val_temperature):
-        sampling = {"max_new_tokens": recipe.data.max_response_length, "top_p": rollout.top_p,
-                    "top_k": rollout.top_k, "stop_token_ids": [data.tokenizer.eos_token_id],
-                    "temperature": temperature}
-        GenerateBody.model_validate(group_body(prompt, list(range(rollout.n)), sampling=sampling,
-                                               seed=recipe.trainer.total_steps))
+    for each in (sampling, settings.validation_sampling(recipe, eos_token_id=eos)):
+        body = generate_body(prompt, list(range(recipe.rollout.n)), sampling=each, seed=recipe.trainer.total_steps,
+                             return_logprob=True)
+        GenerateBody.model_validate(body)  # what the CPU engine (SGLang's schema) accepts
+
+    roles = ["actor"] + (["critic"] if recipe.critic is not None else [])
+    if recipe.critic is not None:
+        settings.value_update_settings(recipe)
+    for role in roles:
+        chunks, config = tiny_model()
+        state = build_train_state(chunks, config, settings.engine_settings(recipe, role).optimizer)
+        for chunk in state.ddp_chunks:
+            for param in chunk.parameters():
+                param.main_grad.fill_(0.01)
+        state.step()
+        if role == "actor" and recipe.sft_warmup.steps:
+            state.step_with_lr(recipe.sft_warmup.lr)  # the warm-up's steps
+        assert all(torch.isfinite(p).all() for chunk in chunks for p in chunk.parameters()), role
 
 
 def _tiny_model_factory():
