@@ -70,9 +70,9 @@ def connect_ray(address: str) -> None:
         ray.init(address=address, runtime_env={"env_vars": _worker_env()})
 
 
-def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> None:
+def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> str | None:
     """Join the cluster at `address`, or (none given, none running) start a local one that `cleanup` shuts down
-    and whose temp dir it removes."""
+    and whose temp dir it removes; returns that temp dir (None when joining)."""
     import ray
 
     if address:
@@ -82,3 +82,5 @@ def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -
         cleanup.callback(shutil.rmtree, temp_dir, True)
         start_local_ray(temp_dir=temp_dir, num_cpus=num_cpus)
         cleanup.callback(ray.shutdown)
+        return temp_dir
+    return None

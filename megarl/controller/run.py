@@ -20,6 +20,7 @@ from pathlib import Path
 from megarl import atomic
 from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.fleet import start_fleet
+from megarl.cluster.leftovers import Footprint, clear_dead_previous
 from megarl.cluster.memory import MemoryCycle
 from megarl.cluster.placement import plan_pools, total_devices
 from megarl.cluster.ray_cluster import ray_for_run
@@ -41,7 +42,8 @@ from megarl.config.settings import (
 )
 from megarl.controller import run_state
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
-from megarl.controller.checkpointing import StepCheckpoint, load_step
+from megarl.controller.checkpointing import StepCheckpoint, complete_steps, load_step
+from megarl.controller.disk_full import disk_full_error
 from megarl.controller.loop import StepLoop
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
@@ -182,36 +184,18 @@ def _tracker(recipe: Recipe, run_dir: Path, resume_from: StepCheckpoint | None) 
                    resume_step=resume_from.step if resume_from is not None else None)
 
 
-def train(recipe: Recipe, *, ray_address: str | None = None,
-          on_phase: Callable[[int, str], None] | None = None) -> Path:
-    """Run `recipe` to its last step, resuming its run directory's newest checkpoint when it has one
-    (`trainer.checkpoint.resume: auto`); returns the run directory. `on_phase(step, phase)` hears every
-    phase of every step begin (`megarl bench` draws its progress line with it).
-
-    Joins `ray_address`, or the Ray already initialised in this process, or starts a
-    local one (and then stops it at the end). On SIGTERM/SIGINT it checkpoints, stops
-    everything it started and raises `Preempted`.
-    """
-    problems = check_checkpoints(recipe)
-    if problems:
-        raise InputError(problems)
-    run_dir = prepare_run_dir(recipe)
-    resume_from = resume_or_start(run_dir, recipe, say=lambda line: print(f"megarl: {line}", flush=True))
-    start_step = resume_from.step if resume_from is not None else 0
-    if start_step >= recipe.trainer.total_steps:
-        print(f"megarl: {run_dir} already completed step {start_step} (trainer.total_steps="
-              f"{recipe.trainer.total_steps}); raise total_steps to continue it", flush=True)
-        return run_dir
-    data = prepare_data(recipe, run_dir)
-    weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
-    # Written once every check passed, so a refused run leaves an earlier run's recipe alone.
-    atomic.write_text(run_dir / "recipe.yaml", dump_recipe(recipe))
+def _drive(recipe: Recipe, *, run_dir: Path, data, weights: Path, resume_from: StepCheckpoint | None,
+           start_step: int, ray_address: str | None, on_phase) -> None:
+    """Ray, the roles and the step loop from `start_step` on; everything started here is stopped here."""
     checkpoint = recipe.trainer.checkpoint
-
     with controller_log(run_dir), ExitStack() as cleanup:
+        # First in, last out: once everything is stopped, the shared memory of its processes goes too.
+        footprint = Footprint(run_dir)
+        cleanup.callback(footprint.release)
         tracker = _tracker(recipe, run_dir, resume_from)
         cleanup.callback(tracker.close)
-        ray_for_run(cleanup, ray_address)
+        footprint.set_temp_dir(ray_for_run(cleanup, ray_address))
+        footprint.watch()
         # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
         preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
         pools = plan_pools(recipe)
@@ -226,5 +210,46 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
                         preemption=preemption, newest=resume_from,
                         val_sampling=validation_sampling(recipe, eos_token_id=eos))
         loop.run(start_step)
+
+
+def train(recipe: Recipe, *, ray_address: str | None = None,
+          on_phase: Callable[[int, str], None] | None = None) -> Path:
+    """Run `recipe` to its last step, resuming its run directory's newest checkpoint when it has one
+    (`trainer.checkpoint.resume: auto`); returns the run directory. `on_phase(step, phase)` hears every
+    phase of every step begin (`megarl bench` draws its progress line with it).
+
+    Joins `ray_address`, or the Ray already initialised in this process, or starts a
+    local one (and then stops it at the end). On SIGTERM/SIGINT it checkpoints, stops
+    everything it started and raises `Preempted`.
+    """
+    problems = check_checkpoints(recipe)
+    if problems:
+        raise InputError(problems)
+    run_dir = prepare_run_dir(recipe)
+    for leftover in clear_dead_previous(run_dir):
+        print(f"megarl: removed {leftover}, left by a previous run of {run_dir} that died", flush=True)
+    resume_from = resume_or_start(run_dir, recipe, say=lambda line: print(f"megarl: {line}", flush=True))
+    start_step = resume_from.step if resume_from is not None else 0
+    if start_step >= recipe.trainer.total_steps:
+        print(f"megarl: {run_dir} already completed step {start_step} (trainer.total_steps="
+              f"{recipe.trainer.total_steps}); raise total_steps to continue it", flush=True)
+        return run_dir
+    data = prepare_data(recipe, run_dir)
+    weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
+    # Written once every check passed, so a refused run leaves an earlier run's recipe alone.
+    atomic.write_text(run_dir / "recipe.yaml", dump_recipe(recipe))
+    try:
+        _drive(recipe, run_dir=run_dir, data=data, weights=weights, resume_from=resume_from, start_step=start_step,
+               ray_address=ray_address, on_phase=on_phase)
+    except (Preempted, InputError):
+        raise
+    except Exception as error:
+        # The disk filled under the run (a log, metrics, a sync file): said as such, not as what failed on it.
+        newest = complete_steps(run_dir)
+        full = disk_full_error(error, run_dir,
+                               note=f"{newest[-1].path} is intact" if newest else "no checkpoint was written")
+        if full is not None and full is not error:
+            raise full from error
+        raise
     return run_dir
 
