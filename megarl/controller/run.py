@@ -3,7 +3,8 @@
 Set-up order: run directory (resume or start over) and resolved recipe, tokenizer and
 data, initial HF weights, metric sinks, Ray and the resource pools, the Megatron worker
 groups, the optional SFT warm-up (fresh runs) or the checkpoint (resumed runs), the
-rollout fleet with the first weight sync, then the step loop. Everything started here
+engines off their devices (colocated: the fleet sizes its KV cache from the memory
+free when it starts), the rollout fleet with the first weight sync, then the step loop. Everything started here
 is stopped here, by handle, also when a signal stops the run (`preemption`).
 """
 
@@ -103,29 +104,31 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
             for group in followers:
                 group.run("load_policy_checkpoint", str(handoff))
             shutil.rmtree(handoff)
+    idle = [role.group for role in (reference, critic) if role is not None]
+    memory = MemoryCycle(None, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
+    roles = Roles(actor=actor, rollout=None, reward=None, memory=memory, reference=reference, critic=critic,
+                  kl_ctrl=data.kl_ctrl)
+    version = 0
+    if resume_from is not None:  # into the engines while they are still on their devices
+        load_step(roles, resume_from)
+        state = resume_from.controller_state()
+        run_state.restore(state, loader=data.train_batches, kl_ctrl=data.kl_ctrl)
+        version = state["weight_version"]
+    # SGLang sizes its KV cache from the device memory free when it starts: the engines leave first.
+    memory.sleep_all()
     api_key = secrets.token_hex(16)
     fleet = start_rollout_fleet(recipe, pool=pools["rollout"], weights=weights, tokenizer=data.tokenizer,
                                 api_key=api_key, log_dir=log_dir)
     cleanup.callback(fleet.shutdown)
+    roles.rollout = memory.fleet = fleet
     # The fleet re-pushes the actor's current weights to a server it had to restart.
     fleet.set_weight_source(partial(actor.push_weights, api_key=api_key,
                                     settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
     cleanup.callback(actor_group.run, "close_weight_sync")
-    reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
-                               api_key=api_key, run_dir=run_dir, cleanup=cleanup)
-    idle = [role.group for role in (reference, critic) if role is not None]
-    memory = MemoryCycle(fleet, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
-    roles = Roles(actor=actor, rollout=fleet, reward=reward, memory=memory, reference=reference, critic=critic,
-                  kl_ctrl=data.kl_ctrl)
-    version = 0
-    if resume_from is not None:
-        load_step(roles, resume_from)
-        state = resume_from.controller_state()
-        run_state.restore(state, loader=data.train_batches, kl_ctrl=data.kl_ctrl)
-        version = state["weight_version"]
-    roles.sync_weights(version=version)
-    memory.sleep_all()  # the fleet generates first
+    roles.reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
+                                     api_key=api_key, run_dir=run_dir, cleanup=cleanup)
+    memory.sync_from_sleep(lambda: roles.sync_weights(version=version))  # the fleet generates first
     return roles
 
 
