@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from megarl.config import load_recipe
+from megarl.config.settings import rollout_sampling
 from megarl.controller import run
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-ppo-cpu.yaml"
@@ -65,17 +66,17 @@ class _Pool:
 
 def _start(monkeypatch, tmp_path, overrides: list[str]) -> list:
     log: list = []
-    monkeypatch.setattr(run, "_engine_group", lambda recipe, pool, *, name, **_: _Group(name, log))
-    monkeypatch.setattr(run, "start_rollout_fleet", lambda recipe, **_: _Fleet(log))
+    monkeypatch.setattr(run, "_engine_group", lambda recipe, role, pool, **_: _Group(role, log))
+    monkeypatch.setattr(run, "start_fleet", lambda settings, **_: _Fleet(log))
     monkeypatch.setattr(run, "start_reward_loop", lambda recipe, **_: "reward loop")
     recipe = load_recipe(RECIPE, ["sft_warmup.steps=0", f"trainer.output_dir={tmp_path}", *overrides])
     pool = _Pool()
     pools = {role: pool for role in ("actor", "critic", "reference", "rollout")}
-    data = SimpleNamespace(tokenizer=None, reward_manager=None, kl_ctrl=None)
+    data = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0), reward_manager=None, kl_ctrl=None)
     with ExitStack() as cleanup:
-        roles = run._start_roles(recipe, pools=pools, weights=tmp_path / "w", data=data, run_dir=tmp_path,
-                                 tracker=None, cleanup=cleanup, resume_from=None,
-                                 preemption=SimpleNamespace(requested=False))
+        roles = run._start_roles(recipe, pools=pools, weights=tmp_path / "w", data=data,
+                                 sampling=rollout_sampling(recipe, eos_token_id=1), run_dir=tmp_path, tracker=None, cleanup=cleanup,
+                                 resume_from=None, preemption=SimpleNamespace(requested=False))
         assert roles.rollout is roles.memory.fleet and roles.reward == "reward loop"
         return list(log)  # before the teardown adds its own calls
 
