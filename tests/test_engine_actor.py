@@ -205,6 +205,14 @@ def test_sft_step_reduces_the_loss_and_starts_from_the_hf_nll(setup):
     assert out["lr_after_sft"] == pytest.approx(1e-3)  # the RL schedule is untouched
 
 
+def test_a_non_finite_loss_stops_the_step_naming_it(setup):
+    """Divergence is caught in the trainer, where it happens, not by scanning every weight on the servers."""
+    message = setup[4]["diverged"]
+    assert message is not None and message.startswith("training diverged at update call 4, epoch 1, mini-batch 1:")
+    assert "actor/pg_loss is nan" in message and "actor/grad_norm is nan" in message
+    assert "before these weights reach the rollout servers" in message
+
+
 def test_hf_state_dict_round_trip_after_load(setup):
     _, _, _, other, out = setup
     assert set(out["reloaded"]) == set(other)
