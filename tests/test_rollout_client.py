@@ -39,7 +39,8 @@ def servers(model_dirs, tmp_path_factory):
     handles = []
     try:
         for index in range(2):
-            handles.append(start_cpu_engine(model_dirs["base"], log_path=logs / f"server{index}.log", seed=index))
+            handles.append(start_cpu_engine(model_dirs["base"], log_path=logs / f"server{index}.log", seed=index,
+                                            deterministic=True))
         yield handles
     finally:
         for handle in handles:

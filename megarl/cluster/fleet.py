@@ -38,6 +38,9 @@ def start_rollout_fleet(
         mem_fraction=rollout.mem_fraction,
         sglang_args=dict(rollout.sglang),
         enable_memory_saver=sleeps_between_phases(recipe),
+        deterministic=rollout.deterministic,
+        # One request carries one prompt's group of samples: more is no request of this run's.
+        max_sequences=rollout.n,
     )
     return RolloutFleet(
         spec,
@@ -73,6 +76,7 @@ def start_judge_fleet(recipe: Recipe, *, pool: ResourcePool, tokenizer: Any, api
         tp=judge.tp,
         mem_fraction=judge.mem_fraction,
         sglang_args=dict(judge.sglang),
+        deterministic=recipe.rollout.deterministic,
     )
     return RolloutFleet(
         spec,
