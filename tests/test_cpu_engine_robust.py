@@ -16,7 +16,6 @@ import threading
 import time
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cpu_engine import API_KEY, VOCAB, build_model, call, word_tokenizer

@@ -32,8 +32,8 @@ router = APIRouter()
 DISCONNECT_POLL_S = 0.5
 
 
-@router.api_route("/health", methods=["GET"])
-@router.api_route("/health_generate", methods=["GET", "POST"])
+@router.get("/health")
+@router.get("/health_generate")
 async def health(request: Request) -> Response:
     """200 once a one-token generation finishes; 503 while starting or after the timeout; 500 (and an error in
     the log) on released memory."""
@@ -59,7 +59,7 @@ async def health(request: Request) -> Response:
     return Response(status_code=200 if seq.finish_reason["type"] != "abort" else 503)
 
 
-@router.post("/generate")
+@router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request) -> Response:
     state = state_of(request)
     engine = state.engine

@@ -137,8 +137,10 @@ def die(message: str) -> JSONResponse:
 ControlHandler = Callable[[Request, Any], Awaitable[Response]]
 
 
-def control_route(router: APIRouter, path: str, model: type) -> Callable[[ControlHandler], ControlHandler]:
-    """Register `handler(request, body)` for POST `path` on `router`, its body validated as `model`."""
+def control_route(router: APIRouter, path: str, model: type, *, methods: tuple[str, ...] = ("POST",)
+                  ) -> Callable[[ControlHandler], ControlHandler]:
+    """Register `handler(request, body)` for `path` on `router` (SGLang's `methods`), its body validated as
+    `model`."""
 
     def register(handler: ControlHandler) -> ControlHandler:
         async def endpoint(request: Request) -> Response:
@@ -149,7 +151,7 @@ def control_route(router: APIRouter, path: str, model: type) -> Callable[[Contro
             return await handler(request, body)
 
         endpoint.__name__ = handler.__name__
-        router.add_api_route(path, endpoint, methods=["POST"])
+        router.add_api_route(path, endpoint, methods=list(methods))
         return handler
 
     return register

@@ -32,12 +32,12 @@ from megarl.rollout.cpu_engine.serving import control_route, engine_of, read_bod
 router = APIRouter()
 
 
-@control_route(router, "/release_memory_occupation", ReleaseMemoryOccupationBody)
+@control_route(router, "/release_memory_occupation", ReleaseMemoryOccupationBody, methods=("GET", "POST"))
 async def release_memory_occupation(request: Request, body: ReleaseMemoryOccupationBody) -> Response:
     return await state_of(request).weight_op(engine_of(request).release_memory_occupation, body.tags)
 
 
-@control_route(router, "/resume_memory_occupation", ResumeMemoryOccupationBody)
+@control_route(router, "/resume_memory_occupation", ResumeMemoryOccupationBody, methods=("GET", "POST"))
 async def resume_memory_occupation(request: Request, body: ResumeMemoryOccupationBody) -> Response:
     return await state_of(request).weight_op(engine_of(request).resume_memory_occupation, body.tags)
 
