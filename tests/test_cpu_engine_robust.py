@@ -155,9 +155,10 @@ def running_requests(server) -> int:
 
 
 def test_an_abandoned_request_stops_decoding(server):
-    # 2000 samples of 250 tokens take far longer than the few seconds allowed below: only an abort ends them.
+    # 256 samples (the server's --max-sequences) of 250 tokens take far longer than the few seconds allowed
+    # below: only an abort ends them.
     body = json.dumps({"input_ids": [1, 2, 3],
-                       "sampling_params": {"max_new_tokens": 250, "ignore_eos": True, "n": 2000}}).encode()
+                       "sampling_params": {"max_new_tokens": 250, "ignore_eos": True, "n": 256}}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as raw:
         raw.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
