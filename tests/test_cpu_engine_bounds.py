@@ -24,7 +24,6 @@ import pytest
 from _http import call as http_call
 from test_cpu_engine import API_KEY, VOCAB, build_model, call, word_tokenizer
 
-from megarl.rollout.server import start_cpu_engine
 
 pytestmark = [pytest.mark.robust, pytest.mark.dist]
 
@@ -41,11 +40,8 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    handle = start_cpu_engine(model_dir, api_key=API_KEY, log_path=tmp_path_factory.mktemp("bounds") / "server.log",
-                              max_sequences=MAX_SEQUENCES, max_reply_entries=MAX_REPLY_ENTRIES)
-    yield handle
-    handle.stop()
+def server(model_dir, cpu_engine):
+    return cpu_engine(model_dir, api_key=API_KEY, max_sequences=MAX_SEQUENCES, max_reply_entries=MAX_REPLY_ENTRIES)
 
 
 def generate(server, **body) -> tuple[int, dict]:

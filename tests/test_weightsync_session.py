@@ -13,7 +13,6 @@ from _http import call
 from _tiny import tiny_model
 
 from megarl.rollout.client import RolloutClient, RolloutError
-from megarl.rollout.server import start_cpu_engine
 from megarl.weightsync.session import UpdateSession, WeightSyncError
 
 pytestmark = pytest.mark.dist
@@ -22,17 +21,10 @@ API_KEY = "session-key"
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, cpu_engine):
     root = tmp_path_factory.mktemp("session")
     tiny_model("llama", seed=0).save_pretrained(root / "model")
-    handles = []
-    try:
-        for index in range(2):
-            handles.append(start_cpu_engine(root / "model", api_key=API_KEY, log_path=root / f"server-{index}.log"))
-        yield handles
-    finally:
-        for handle in handles:
-            handle.stop()
+    return [cpu_engine(root / "model", api_key=API_KEY) for _ in range(2)]
 
 
 class FailingBegin(RolloutClient):
