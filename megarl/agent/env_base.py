@@ -8,8 +8,9 @@ episodes at once, one per trajectory, on one event loop:
 - `step(episode, turn)` answers one model turn with a `Reply`: the messages the model reads
   next (role `tool` for tool results, `user` for anything else), an optional reward for this
   turn (placed on the turn's last token), and `done` (the last reply's reward ends the episode);
-- `truncated(episode)` is asked for the reward of an episode cut off by the response budget or
-  `max_turns`, when the recipe leaves that to the environment;
+- `truncated(episode, unread)` is asked for the reward of an episode cut off by the response
+  budget or `max_turns`, when the recipe leaves that to the environment; `unread` is the turn
+  the budget cut off (never stepped on), or None;
 - `demonstration(row)` optionally gives the model turns of a reference episode (texts), which
   the supervised warm-up plays against the environment to get tool-use traces.
 
@@ -72,7 +73,7 @@ class Environment:
     async def step(self, episode: Any, turn: Turn) -> Reply:
         raise NotImplementedError
 
-    async def truncated(self, episode: Any) -> float:
+    async def truncated(self, episode: Any, unread: Turn | None) -> float:
         return 0.0
 
     def demonstration(self, row: EpisodeRow) -> list[str] | None:

@@ -8,10 +8,11 @@ environment read them, and appends the environment's reply rendered once by the 
 what came since, and the trained ids are the generated ids.
 
 An episode ends when the environment says `done` (its reward on the model's last token), or is
-truncated: by the budget (a turn ran out of tokens, or the reply would leave the model no
-token), or by `max_turns` (the last reply would never be read, so it is not added). A
+truncated: by the budget (a turn used the last tokens without ending, or the reply would leave
+the model no token), or by `max_turns` (the last reply would never be read, so it is not added). A
 truncated episode's reward follows `on_truncation`: `fixed` gives `truncation_reward`,
-`environment` asks the environment (`Environment.truncated`). A turn's own reward sits on that
+`environment` asks the environment (`Environment.truncated`, with the turn the budget cut off,
+which it never stepped on). A turn's own reward sits on that
 turn's last token.
 
 `play_all` runs every episode of a batch as its own task on one event loop: while one waits for
@@ -37,12 +38,14 @@ SEED_STRIDE = 1009  # turns of one episode get seeds row_seed * SEED_STRIDE + tu
 
 @dataclass(frozen=True)
 class EpisodeSettings:
-    """`budget`: response tokens over all turns (model and environment); `on_truncation`: fixed | environment."""
+    """`budget`: response tokens over all turns (model and environment); `max_tokens_per_turn`: a turn's own
+    limit (None: the budget left); `on_truncation`: fixed | environment."""
 
     max_turns: int
     budget: int
     on_truncation: str
     truncation_reward: float
+    max_tokens_per_turn: int | None = None
 
     def __post_init__(self) -> None:
         if self.on_truncation not in ("fixed", "environment"):
@@ -56,9 +59,12 @@ async def play(*, row: EpisodeRow, prompt_ids: list[int], env: Environment, chat
     """One episode from `prompt_ids` (see the module docstring); `parse` is the tool-call format's parser."""
     trajectory = Trajectory(list(prompt_ids))
     episode = await env.start(row)
+    unread = None  # a turn cut off by the budget: the environment never stepped on it
     tokenizer = chat.tokenizer
     while True:
         left = settings.budget - len(trajectory.response_ids)
+        if settings.max_tokens_per_turn is not None:
+            left = min(left, settings.max_tokens_per_turn)
         turn_seed = None if seed is None else seed * SEED_STRIDE + trajectory.turns
         result = await generate(trajectory.ids, left, turn_seed)
         if not result.output_ids:
@@ -66,10 +72,11 @@ async def play(*, row: EpisodeRow, prompt_ids: list[int], env: Environment, chat
         text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
         trajectory.add_model_turn(list(result.output_ids), list(result.logprobs or ()), text)
         ended_with_eos = result.output_ids[-1] == chat.eos_id
-        if result.finish_reason == "length" and not ended_with_eos:
-            trajectory.truncated = "budget"
+        turn = Turn(text, parse(text), result.finish_reason, trajectory.turns)
+        if not ended_with_eos and len(trajectory.response_ids) >= settings.budget:
+            trajectory.truncated, unread = "budget", turn
             break
-        reply = await env.step(episode, Turn(text, parse(text), result.finish_reason, trajectory.turns))
+        reply = await env.step(episode, turn)
         if reply.reward is not None:
             trajectory.reward_last_model_token(reply.reward)
         if reply.done:
@@ -83,7 +90,10 @@ async def play(*, row: EpisodeRow, prompt_ids: list[int], env: Environment, chat
             break
         who = "+".join(dict.fromkeys(message["role"] for message in reply.messages)) or "environment"
         trajectory.add_environment(ids, who, "\n".join(message["content"] for message in reply.messages))
-    reward = await env.truncated(episode) if settings.on_truncation == "environment" else settings.truncation_reward
+    if settings.on_truncation == "environment":
+        reward = await env.truncated(episode, unread)
+    else:
+        reward = settings.truncation_reward
     trajectory.reward_last_model_token(reward)
     return trajectory
 

@@ -8,7 +8,8 @@ Three routes under `url`, JSON in and out (HTTP 200):
                            "tool_calls": [{"name", "arguments"}], "malformed_tool_calls": ["<message>"]}
                           -> {"messages": [{"role": "user" | "tool", "content": "..."}],
                               "reward": <number or null>, "done": <bool>}
-    POST <url>/truncated  {"episode_id"} -> {"reward": <number>}
+    POST <url>/truncated  {"episode_id", "unread_text": "<the turn the budget cut off>" or null}
+                          -> {"reward": <number>}
                           (asked only with rollout.multi_turn.on_truncation: environment)
 
 Failures follow the remote reward (`megarl.rewards.remote`): a connection error, a timeout, or
@@ -113,8 +114,9 @@ class RemoteEnvironment(Environment):
                 "malformed_tool_calls": [error.message for error in turn.parsed.errors]}
         return await self._post(episode.row, "step", body, _read_step)
 
-    async def truncated(self, episode: _Episode) -> float:
-        return await self._post(episode.row, "truncated", {"episode_id": episode.episode_id}, _read_truncated)
+    async def truncated(self, episode: _Episode, unread: Turn | None) -> float:
+        body = {"episode_id": episode.episode_id, "unread_text": None if unread is None else unread.text}
+        return await self._post(episode.row, "truncated", body, _read_truncated)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -3,8 +3,8 @@
 A turn with tool calls is answered with the tools' results (role `tool`); the first turn
 without a tool call is the final answer, scored by the GSM8K rule (`#### <number>`, strict or
 flexible) against the row's ground truth, which ends the episode with that reward. Episodes
-cut off by the budget are scored on their last turn's text when the recipe leaves truncation
-to the environment (`truncated`).
+cut off are scored on their last turn's text (the cut one too) when the recipe leaves
+truncation to the environment (`truncated`).
 
 Its demonstration, for arithmetic rows ("12345+67890=?"), calls the calculator on the
 expression and answers with the result: the supervised traces that teach the call format.
@@ -48,7 +48,9 @@ class ToolUseEnvironment(Environment):
             return Reply(messages=await self.tools.run(turn.parsed))
         return Reply(reward=self._score(episode), done=True)
 
-    async def truncated(self, episode: _Episode) -> float:
+    async def truncated(self, episode: _Episode, unread: Turn | None) -> float:
+        if unread is not None:
+            episode.last_text = unread.text
         return self._score(episode)
 
     def _score(self, episode: _Episode) -> float:
