@@ -16,7 +16,8 @@ from megarl.agent.chat import ChatSegments
 from megarl.agent.env_base import Environment, EpisodeRow, Reply
 from megarl.agent.envs.guessing import GuessingEnvironment
 from megarl.agent.envs.tool_use import ToolUseEnvironment
-from megarl.agent.episodes import EpisodeSettings, play, play_all
+from megarl.agent.episodes import play, play_all
+from megarl.config.settings import EpisodeSettings
 from megarl.agent.isolation import Limits
 from megarl.agent.sandbox import SandboxPool
 from megarl.agent.toolbox import ToolBox
@@ -82,7 +83,7 @@ def prompt_ids(question="12345+67890=?") -> list[int]:
 
 def settings(**overrides) -> EpisodeSettings:
     return EpisodeSettings(**{"max_turns": 4, "budget": 400, "on_truncation": "fixed", "truncation_reward": 0.0,
-                              **overrides})
+                              "max_tokens_per_turn": None, **overrides})
 
 
 def test_segments_are_what_the_template_renders_after_the_turn():
@@ -121,7 +122,7 @@ def _tool_episode(script, *, budget=400, max_turns=4, on_truncation="fixed", tru
         pool = SandboxPool(tools=["calculator"], size=1, limits=LIMITS)
         await pool.start()
         try:
-            box = ToolBox(pool)
+            box = ToolBox(pool, format=TOOL_CALL_FORMATS.get("hermes").target)
             env = ToolUseEnvironment(tools=box)
             generate = Scripted(script)
             trajectory = await play(

@@ -22,7 +22,8 @@ import pytest
 from megarl.agent.chat import ChatSegments
 from megarl.agent.env_base import EpisodeRow
 from megarl.agent.envs.remote import RemoteEnvironment, RemoteEnvironmentError
-from megarl.agent.episodes import EpisodeSettings, play_all
+from megarl.agent.episodes import play_all
+from megarl.config.settings import EpisodeSettings
 from megarl.data.tokenizer import load_tokenizer
 from megarl.registry import ENVIRONMENTS, TOOL_CALL_FORMATS
 from megarl.rollout.results import GenerationResult
@@ -109,7 +110,8 @@ def _play(url, uids, *, max_turns=4, on_truncation="fixed"):
                                   chat=ChatSegments(TOKENIZER, max_tokens=32),
                                   parse=TOOL_CALL_FORMATS.get("hermes").target.parse, generate=_generate,
                                   settings=EpisodeSettings(max_turns=max_turns, budget=200,
-                                                           on_truncation=on_truncation, truncation_reward=0.0))
+                                                           on_truncation=on_truncation, truncation_reward=0.0,
+                                                           max_tokens_per_turn=None))
         finally:
             await env.close()
 

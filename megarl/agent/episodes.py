@@ -23,35 +23,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from megarl.agent.chat import ChatSegments
 from megarl.agent.env_base import Environment, EpisodeRow, Turn
 from megarl.agent.trajectory import Trajectory
+from megarl.config.settings import EpisodeSettings
 from megarl.rollout.results import GenerationResult
 
 # generate(ids, max_new_tokens, seed) -> one sample continuing `ids`
 Generate = Callable[[list[int], int, "int | None"], Awaitable[GenerationResult]]
 SEED_STRIDE = 1009  # turns of one episode get seeds row_seed * SEED_STRIDE + turn
-
-
-@dataclass(frozen=True)
-class EpisodeSettings:
-    """`budget`: response tokens over all turns (model and environment); `max_tokens_per_turn`: a turn's own
-    limit (None: the budget left); `on_truncation`: fixed | environment."""
-
-    max_turns: int
-    budget: int
-    on_truncation: str
-    truncation_reward: float
-    max_tokens_per_turn: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.on_truncation not in ("fixed", "environment"):
-            raise ValueError(f"on_truncation must be 'fixed' or 'environment', got {self.on_truncation!r}")
-        if self.max_turns < 1 or self.budget < 1:
-            raise ValueError(f"max_turns ({self.max_turns}) and budget ({self.budget}) must be >= 1")
 
 
 async def play(*, row: EpisodeRow, prompt_ids: list[int], env: Environment, chat: ChatSegments, parse,

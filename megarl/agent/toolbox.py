@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 from megarl.agent.sandbox import SandboxPool, ToolResult
 from megarl.agent.tool_calls import ParsedTurn, ToolCall
@@ -29,10 +30,11 @@ class ToolCounts:
 
 
 class ToolBox:
-    """The run's tools behind `pool`, with counters."""
+    """The run's tools behind `pool`, with counters; `format` is the run's tool-call format (environments write
+    demonstrated calls with it)."""
 
-    def __init__(self, pool: SandboxPool):
-        self.pool = pool
+    def __init__(self, pool: SandboxPool, *, format: Any):
+        self.pool, self.format = pool, format
         self.names = pool.names
         self.counts: dict[str, ToolCounts] = defaultdict(ToolCounts)
         self.invalid_calls = 0

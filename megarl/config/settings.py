@@ -106,6 +106,27 @@ class WeightSyncSettings:
     disk_dir: str
 
 
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """The episodes of `rollout.multi_turn`: `budget` response tokens over all turns (model and environment),
+    `max_tokens_per_turn` of one turn (None: the budget left), the reward of a truncated episode
+    (`on_truncation`: fixed = `truncation_reward`, or environment)."""
+
+    max_turns: int
+    budget: int
+    on_truncation: str
+    truncation_reward: float
+    max_tokens_per_turn: int | None
+
+
+def episode_settings(recipe: Recipe) -> EpisodeSettings:
+    """How the episodes of `rollout.multi_turn` run; the budget of all turns is `data.max_response_length`."""
+    multi_turn = recipe.rollout.multi_turn
+    return EpisodeSettings(max_turns=multi_turn.max_turns, budget=recipe.data.max_response_length,
+                           on_truncation=multi_turn.on_truncation, truncation_reward=multi_turn.truncation_reward,
+                           max_tokens_per_turn=multi_turn.max_tokens_per_turn)
+
+
 def _updates_per_step(recipe: Recipe, section) -> int:
     samples = recipe.data.train_batch_size * recipe.rollout.n
     return section.ppo_epochs * (samples // section.ppo_mini_batch_size)

@@ -14,9 +14,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megarl import atomic
+from megarl.agent.tools import schemas
 from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Recipe
 from megarl.data.dataset import PromptLoader, RLDataset
+from megarl.data.guessing import write_guessing_dataset
 from megarl.data.random_digits import write_random_digits_dataset
 from megarl.data.synthetic import write_arithmetic_dataset
 from megarl.data.tokenizer import load_tokenizer
@@ -34,7 +36,8 @@ class RunData:
     val_dataset: RLDataset | None
     val_batch_size: int
     reward_manager: RewardManager  # the rule scorers by data_source
-    reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]  # the rule reward of a whole batch
+    # The outcome reward of a whole batch: the rule scorers', or the environment's with rollout.multi_turn.
+    reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
     kl_ctrl: Any
 
     def val_batches(self) -> Iterator[Batch]:
@@ -50,7 +53,10 @@ def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
     train_files, val_files = list(data.train_files), list(data.val_files)
     if not train_files and data.synthetic is not None:
         synth = data.synthetic
-        if synth.task == "random_digits":
+        if synth.task == "guessing":
+            train_path, val_path = write_guessing_dataset(run_dir / "data", synth.num_train, synth.num_val,
+                                                          synth.seed, high=synth.max_operand)
+        elif synth.task == "random_digits":
             train_path, val_path = write_random_digits_dataset(
                 run_dir / "data", num_train=synth.num_train, num_val=synth.num_val, seed=synth.seed,
                 prompt_length=synth.prompt_length or data.max_prompt_length, tokenizer=tokenizer,
@@ -60,20 +66,26 @@ def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
                 run_dir / "data", synth.num_train, synth.num_val, synth.seed, synth.max_operand
             )
         train_files, val_files = [str(train_path)], [str(val_path)] if val_path else []
+    multi_turn = recipe.rollout.multi_turn
+    tools = schemas(multi_turn.tools) if multi_turn is not None else None
     train_dataset = RLDataset(train_files, tokenizer, max_prompt_length=data.max_prompt_length,
-                              prompt_key=data.prompt_key)
+                              prompt_key=data.prompt_key, tools=tools)
     val_dataset = (
-        RLDataset(val_files, tokenizer, max_prompt_length=data.max_prompt_length, prompt_key=data.prompt_key)
+        RLDataset(val_files, tokenizer, max_prompt_length=data.max_prompt_length, prompt_key=data.prompt_key,
+                  tools=tools)
         if val_files else None
     )
     reward = recipe.reward
     scorers = build_scorers(reward.scorers, gsm8k_method=reward.gsm8k_method, format_score=reward.format_score,
                             score=reward.score)
-    sources = set(train_dataset.data_sources) | (set(val_dataset.data_sources) if val_dataset else set())
-    check_data_sources(sources, scorers)
+    if multi_turn is None:  # episodes are rewarded by their environment
+        check_data_sources(set(train_dataset.data_sources) | set(val_dataset.data_sources if val_dataset else ()),
+                           scorers)
     manager = RewardManager(tokenizer, scorers, num_workers=reward.num_workers)
 
     def reward_fn(batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        if multi_turn is not None:
+            return batch["env_scores"], {}
         output = manager(batch)
         return output.token_level_scores, reward_metrics(output)
 

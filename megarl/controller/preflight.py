@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from megarl.config import Recipe
-from megarl.data import random_digits, synthetic
+from megarl.data import guessing, random_digits, synthetic
 from megarl.data.dataset import read_prompt_rows
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
@@ -25,7 +25,8 @@ from megarl.rewards.registry import build_scorers, check_data_sources
 # A run writes initial weights, data, logs and checkpoints: below this much free space it will not get far.
 MIN_FREE_BYTES = 256 << 20
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-SYNTHETIC_SOURCES = {"addition": synthetic.DATA_SOURCE, "random_digits": random_digits.DATA_SOURCE}
+SYNTHETIC_SOURCES = {"addition": synthetic.DATA_SOURCE, "random_digits": random_digits.DATA_SOURCE,
+                     "guessing": guessing.DATA_SOURCE}
 
 
 def _checkpoint_problems(key: str, path: str | None) -> list[str]:
@@ -98,6 +99,8 @@ def _check_data(recipe: Recipe) -> None:
         sources |= {row["data_source"] for row in rows}
     if problems:
         raise InputError(problems)
+    if recipe.rollout.multi_turn is not None:
+        return  # the environment rewards the episodes: no data source needs a scorer
     scorers = build_scorers(reward.scorers, gsm8k_method=reward.gsm8k_method, format_score=reward.format_score,
                             score=reward.score)
     check_data_sources(sorted(sources), scorers)

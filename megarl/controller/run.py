@@ -36,6 +36,7 @@ from megarl.controller import run_state
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import StepCheckpoint, load_step
 from megarl.controller.loop import StepLoop
+from megarl.controller.multi_turn import EpisodeRewards, start_agent
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.resume import resume_or_start
@@ -112,12 +113,18 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                                     settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
     cleanup.callback(actor_group.run, "close_weight_sync")
-    reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
-                               api_key=api_key, run_dir=run_dir, cleanup=cleanup)
+    episodes = None
+    if recipe.rollout.multi_turn is not None:
+        # Registered after fleet.shutdown: the sandbox and the environment stop first, on the fleet's loop.
+        episodes = start_agent(recipe, fleet=fleet, tokenizer=data.tokenizer, run_dir=run_dir, cleanup=cleanup)
+        reward = EpisodeRewards()
+    else:
+        reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
+                                   api_key=api_key, run_dir=run_dir, cleanup=cleanup)
     idle = [role.group for role in (reference, critic) if role is not None]
     memory = MemoryCycle(fleet, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
     roles = Roles(actor=actor, rollout=fleet, reward=reward, memory=memory, reference=reference, critic=critic,
-                  kl_ctrl=data.kl_ctrl)
+                  kl_ctrl=data.kl_ctrl, episodes=episodes)
     version = 0
     if resume_from is not None:
         load_step(roles, resume_from)

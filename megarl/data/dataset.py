@@ -55,13 +55,16 @@ def read_prompt_rows(paths: Sequence[Path], prompt_key: str) -> list[dict]:
     return read_checked_rows(paths, what="data file", row_problems=lambda row: _row_problems(row, prompt_key))
 
 
-def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]]) -> list[list[int]]:
-    """Token ids of each conversation under the tokenizer's chat template, ending with the generation prompt."""
+def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]],
+                     tools: Sequence[dict] | None = None) -> list[list[int]]:
+    """Token ids of each conversation under the tokenizer's chat template, ending with the generation prompt;
+    `tools` (function schemas) are shown the way the template shows tools (Qwen: in the system prompt)."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "")
         raise InputError(f"tokenizer {name!r} has no chat template to format the prompts with")
     texts = [
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                      **({"tools": list(tools)} if tools else {}))
         for messages in conversations
     ]
     # The template already holds every special token the model needs.
@@ -69,7 +72,8 @@ def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]]) -> lis
 
 
 class RLDataset:
-    """Rows of one or more parquet files in DESIGN.md §2 format, with chat-templated prompt token ids.
+    """Rows of one or more parquet files in DESIGN.md §2 format, with chat-templated prompt token ids (showing
+    `tools`, the function schemas of a multi-turn run, where the template shows tools).
 
     Prompts longer than `max_prompt_length` tokens are dropped (counted in `num_dropped`).
     Item `i` is a dict: input_ids (list[int]), data_source, reward_model, extra_info,
@@ -77,11 +81,12 @@ class RLDataset:
     """
 
     def __init__(
-        self, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int, prompt_key: str = "prompt"
+        self, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int, prompt_key: str = "prompt",
+        tools: Sequence[dict] | None = None,
     ):
         paths = [Path(file) for file in files]
         rows = read_prompt_rows(paths, prompt_key)
-        token_ids = tokenize_prompts(tokenizer, [row[prompt_key] for row in rows])
+        token_ids = tokenize_prompts(tokenizer, [row[prompt_key] for row in rows], tools)
         kept = [position for position, ids in enumerate(token_ids) if len(ids) <= max_prompt_length]
         self.num_dropped = len(rows) - len(kept)
         if self.num_dropped:

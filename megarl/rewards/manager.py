@@ -51,12 +51,14 @@ def _column(values: Sequence[Any]) -> np.ndarray:
 
 
 def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-row scores [B] -> [B, R] float32 with each score at index valid_response_length - 1, so `.sum(-1)` gives
-    them back; a row without response tokens has no token to carry its score and stays 0."""
-    lengths = response_mask.sum(-1).long()
+    """Per-row scores [B] -> [B, R] float32 with each score on the row's last response token (the last position
+    where `response_mask` is 1), so `.sum(-1)` gives them back; a row without response tokens has no token to
+    carry its score and stays 0."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    last = torch.where(response_mask.bool(), positions, -1).max(-1).values
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows] - 1] = scores[rows].float()
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = scores[rows].float()
     return out
 
 

@@ -7,7 +7,8 @@ cut off are scored on their last turn's text (the cut one too) when the recipe l
 truncation to the environment (`truncated`).
 
 Its demonstration, for arithmetic rows ("12345+67890=?"), calls the calculator on the
-expression and answers with the result: the supervised traces that teach the call format.
+expression (written in the run's tool-call format) and answers with the result: the
+supervised traces that teach the call format.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 
 from megarl.agent.env_base import Environment, EpisodeRow, Reply, Turn
 from megarl.agent.tool_calls import ToolCall
-from megarl.registry import TOOL_CALL_FORMATS
 from megarl.rewards import gsm8k
 
 _EXPRESSION = re.compile(r"([0-9][0-9+\-*/() ]*[0-9)])\s*=\s*\?\s*$")
@@ -32,12 +32,11 @@ class _Episode:
 class ToolUseEnvironment(Environment):
     """Tools until an answer; reward = the GSM8K rule score of the answer (`method`: strict or flexible)."""
 
-    def __init__(self, *, tools=None, method: str = "strict", tool_call_format: str = "hermes"):
+    def __init__(self, *, tools=None, method: str = "strict"):
         super().__init__(tools=tools)
         if method not in ("strict", "flexible"):
             raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
         self.method = method
-        self.format = TOOL_CALL_FORMATS.get(tool_call_format).target
 
     async def start(self, row: EpisodeRow) -> _Episode:
         return _Episode(row)
@@ -59,7 +58,7 @@ class ToolUseEnvironment(Environment):
 
     def demonstration(self, row: EpisodeRow) -> list[str] | None:
         match = _EXPRESSION.search(str(row.extra_info.get("question") or ""))
-        if match is None:
+        if match is None or self.tools is None:
             return None
-        call = self.format.render(ToolCall("calculator", {"expression": match.group(1).replace(" ", "")}))
+        call = self.tools.format.render(ToolCall("calculator", {"expression": match.group(1).replace(" ", "")}))
         return [call, f"#### {row.ground_truth}"]
