@@ -34,11 +34,12 @@ from megarl.rollout.dispatch import sample_seed
 
 def episode_rows(batch: Batch) -> list[EpisodeRow]:
     """What each row's episode knows of it: uid, sample number within its prompt's group, data source,
-    messages, ground truth and extra_info."""
+    messages, ground truth and extra_info. Rows without a uid (validation) are named by their dataset index."""
     seen: dict[str, int] = {}
     rows = []
+    names = batch["uid"] if "uid" in batch else batch["index"] if "index" in batch else range(len(batch))
     for index in range(len(batch)):
-        uid = str(batch["uid"][index])
+        uid = str(names[index])
         sample, seen[uid] = seen.get(uid, 0), seen.get(uid, 0) + 1
         reward_model = batch["reward_model"][index] or {}
         rows.append(EpisodeRow(uid=uid, sample=sample, data_source=str(batch["data_source"][index]),

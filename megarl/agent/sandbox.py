@@ -88,6 +88,8 @@ class SandboxPool:
 
     async def start(self) -> None:
         """Start every worker (on the running event loop, which every later call must use); logs the isolation."""
+        if self.log_path:
+            Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         self._scratch_root = tempfile.mkdtemp(prefix="megarl-sandbox-")
         os.chmod(self._scratch_root, 0o711)  # a dropped-privilege call must reach its own scratch dir
         self._slots = asyncio.Queue()

@@ -125,10 +125,14 @@ def demonstration_batch(prompts: Batch, recipe: Recipe, *, tokenizer: Any, env: 
     gen = split_generation_batch(prompts)
     parse = TOOL_CALL_FORMATS.get(recipe.rollout.multi_turn.tool_call_format).target.parse
     settings = episode_settings(recipe)
-    episodes = [play(row=row, prompt_ids=ids, env=env, chat=chat, parse=parse, settings=settings, seed=None,
-                     generate=_Script(env.demonstration(row) or [str(row.extra_info.get("answer", ""))], tokenizer))
-                for row, ids in zip(rows, prompt_token_lists(gen))]
-    trajectories = loop.run_until_complete(asyncio.gather(*episodes))
+
+    async def play_every_row():
+        return await asyncio.gather(*(
+            play(row=row, prompt_ids=ids, env=env, chat=chat, parse=parse, settings=settings, seed=None,
+                 generate=_Script(env.demonstration(row) or [str(row.extra_info.get("answer", ""))], tokenizer))
+            for row, ids in zip(rows, prompt_token_lists(gen))))
+
+    trajectories = loop.run_until_complete(play_every_row())
     width = recipe.data.max_response_length
     responses = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros(len(rows), width)
