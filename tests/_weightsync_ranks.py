@@ -99,7 +99,7 @@ def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: st
                                                    ("tensor", "checksum"),
                                                    ("tensor", "none")]):
         settings = WeightSyncSettings(transport=transport, bucket_mb=0.05, verify=verify, timeout_s=60,
-                                      disk_dir=disk_dir)
+                                      disk_dir=disk_dir, lora="merged")
         metrics = worker.push_weights(urls=[url], api_key=API_KEY, version=version, settings=settings)
         if rank == 0:
             results[version] = (metrics, server_digests(client), client.model_info()[0]["weight_version"])
@@ -119,7 +119,7 @@ def megatron_moe_ep_push(*, rank: int, checkpoint: str, url: str) -> dict | None
     worker = MegatronWorker(rank=rank, world_size=2)
     worker.engine = policy_engine(checkpoint)
     settings = WeightSyncSettings(transport="tensor", bucket_mb=0.05, verify="checksum", timeout_s=60,
-                                  disk_dir="unused")
+                                  disk_dir="unused", lora="merged")
     metrics = worker.push_weights(urls=[url], api_key=API_KEY, version="ep", settings=settings)
     digests = None
     if rank == 0:

@@ -38,6 +38,7 @@ from megarl.models import arch_from_hf, hf_to_megatron
 from megarl.rollout import RolloutClient, RolloutFleet, ServerSpec
 from megarl.rollout.fleet_member import FleetMember
 from megarl.rollout.server import start_cpu_engine
+from megarl.rollout.server_host import ServerHost
 from megarl.rollout.weight_wire import (
     deserialize_named_tensors,
     flatten_bucket,
@@ -236,8 +237,8 @@ def test_an_update_made_without_pausing_waits_for_running_requests(server, model
 class _RunningHost:
     """A server host whose process is running (the fleet asks it for the exit code)."""
 
-    def call(self, method: str, *args):
-        assert method == "exit_code"
+    def call(self, method, *args):
+        assert method is ServerHost.exit_code
         return None
 
 

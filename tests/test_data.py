@@ -245,3 +245,26 @@ def test_load_state_dict_rejects_out_of_range(ten_prompts):
     with pytest.raises(ValueError, match="out of range for 10 prompts"):
         loader.load_state_dict({"epoch": 0, "position": 11, "seed": 0})
     assert np.array_equal(next(loader)["index"], next(PromptLoader(ten_prompts, 3, shuffle=True, seed=0))["index"])
+
+
+def test_preference_pairs_carry_an_optional_margin(tmp_path, tokenizer):
+    from megarl.commands.rm_training import Pairs
+    from megarl.data.preference import read_pairs, write_pairs
+    from megarl.data.rm_inputs import RewardModelInputs
+
+    prompt = [{"role": "user", "content": "1+1=?"}]
+    plain = write_pairs([{"prompt": prompt, "chosen": "#### 2", "rejected": "#### 3"}], tmp_path / "plain.parquet")
+    with_margin = write_pairs([{"prompt": prompt, "chosen": "#### 2", "rejected": "3", "margin": 1.5}],
+                              tmp_path / "margin.parquet")
+    rows = read_pairs([plain, with_margin])
+    assert "margin" not in rows[0] and rows[1]["margin"] == 1.5
+    pairs = Pairs.build(rows, RewardModelInputs(tokenizer, tokenizer, max_length=64))
+    # A file without the column trains the plain loss (margin 0); the update rows carry the margins.
+    assert pairs.margin.tolist() == [0.0, 1.5]
+    assert pairs.batch(np.array([1, 0]))["margin"].tolist() == [1.5, 0.0]
+
+    bad = write_pairs([{"prompt": prompt, "chosen": "a", "rejected": "b", "margin": float("nan")}],
+                      tmp_path / "bad.parquet")
+    with pytest.raises(InputError) as caught:
+        read_pairs([bad])
+    assert caught.value.problems == [f"{bad} row 0: margin is not a finite number (got nan)"]

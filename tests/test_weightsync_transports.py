@@ -278,7 +278,7 @@ def test_distributed_groups_are_rebuilt_after_a_server_restarts_at_the_same_url(
             local = local_shards(hf, TrainerLayout(), padded_vocab=plan.padded_vocab)
             shards = WeightShards(local, num_chunks=1, arch=ARCH, padded_vocab=plan.padded_vocab)
             settings = WeightSyncSettings(transport="distributed", bucket_mb=0.05, verify="checksum", timeout_s=30,
-                                          disk_dir=str(tmp_path / "unused"))
+                                          disk_dir=str(tmp_path / "unused"), lora="merged")
             metrics = sync.push(shards, coords=RankCoords(), urls=[handle.url], api_key=API_KEY, version=seed,
                                 settings=settings)
             assert metrics["weight_sync/bytes"] == plan.nbytes

@@ -78,6 +78,7 @@ def compute_data_metrics(
     max_prompt_length: int,
     values: torch.Tensor | None = None,
     response_span: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The `critic/*`, `response_length/*` and `prompt_length/*` metrics of one step.
 
@@ -87,8 +88,16 @@ def compute_data_metrics(
     `critic/vf_explained_var` only when `values` is given. Each clip_ratio is
     the share of rows reaching the configured limit (`max_response_length`,
     `max_prompt_length`), not the batch's widest row. Response lengths count the tokens of `response_span`
-    [B, R] (multi-turn: every response token, the tools' too; default `response_mask`).
+    [B, R] (multi-turn: every response token, the tools' too; default `response_mask`). `kept` (bool [B]): the
+    rows to count; a dropped sample stays in the batch as a placeholder without
+    response tokens, and is no sample of the step's statistics.
     """
+    if kept is not None:
+        token_level_scores, token_level_rewards, advantages, returns = (
+            t[kept] for t in (token_level_scores, token_level_rewards, advantages, returns))
+        response_mask, prompt_mask = response_mask[kept], prompt_mask[kept]
+        values = None if values is None else values[kept]
+        response_span = None if response_span is None else response_span[kept]
     valid = response_mask.bool()
     metrics: dict[str, float] = {}
     metrics |= _mean_max_min("critic/score", token_level_scores.sum(-1))

@@ -171,8 +171,8 @@ def start_engine_group(pool, *, name: str, kind: str, parallel: dict, hf_config:
     """`pool.world_size` ranks hosting one engine of `kind` (see `MegatronWorker.init_engine`); each rank's
     output goes to `<log_dir>/<name>-<rank>.log`."""
     group = WorkerGroup(MegatronWorker, pool, name=name, log_dir=log_dir)
-    master_addr, master_port = group.run_rank(0, "master_endpoint")
-    group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port, parallel=parallel,
+    master_addr, master_port = group.run_rank(0, MegatronWorker.master_endpoint)
+    group.run(MegatronWorker.init_engine, kind=kind, master_addr=master_addr, master_port=master_port, parallel=parallel,
               hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype,
               transformer_impl=transformer_impl, optimizer=optimizer)
     return group

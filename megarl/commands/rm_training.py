@@ -8,12 +8,17 @@ reward model's pool, one Megatron engine group of kind "reward", then epochs of 
 mini-batches (one Bradley-Terry optimizer step each) with validation accuracy (the
 share of validation pairs scored chosen > rejected) every `val_every` steps and at
 the end. The result is an HF `*ForSequenceClassification` checkpoint (num_labels 1,
-the pad id, the tokenizer) written atomically to `reward_model.path`.
+the pad id, the tokenizer) written atomically to `reward_model.path`. The pad id is
+the reward model tokenizer's pad token, or its EOS when it has none (the log says
+so): the score is read at HF's pooling token for that pad id (the rightmost token
+that is not the pad id; with pad = EOS, the token before a trailing EOS), in
+training as in HF. Pairs may carry a `margin` (`megarl.data.preference`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +28,7 @@ import numpy as np
 import torch
 
 from megarl import atomic
-from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.placement import plan_pools
 from megarl.cluster.ray_cluster import ray_for_run
 from megarl.commands.warmup import warmed_up_checkpoint
@@ -45,6 +50,7 @@ from megarl.models.spec import arch_from_hf
 from megarl.protocol import Batch
 from megarl.tracking.tracker import Tracker
 
+logger = logging.getLogger(__name__)
 SIDES = ("chosen", "rejected")
 
 
@@ -63,22 +69,26 @@ def _trim_left_padding(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 @dataclass
 class Pairs:
-    """Tokenized pairs: `chosen` and `rejected` reward-model rows, pair i in row i of both."""
+    """Tokenized pairs: `chosen` and `rejected` reward-model rows and the `margin` [N] the chosen score should
+    exceed the rejected one by (0 where the pair file has none), pair i in row i of each."""
 
     chosen: dict[str, torch.Tensor]
     rejected: dict[str, torch.Tensor]
+    margin: torch.Tensor
 
     @classmethod
     def build(cls, rows: list[dict], inputs: RewardModelInputs) -> Pairs:
         messages = [row["prompt"] for row in rows]
-        return cls(*(inputs.from_text(messages=messages, responses=[row[side] for row in rows]) for side in SIDES))
+        chosen, rejected = (inputs.from_text(messages=messages, responses=[row[side] for row in rows])
+                            for side in SIDES)
+        return cls(chosen, rejected, torch.tensor([float(row.get("margin") or 0.0) for row in rows]))
 
     def __len__(self) -> int:
         return len(self.chosen["input_ids"])
 
     def batch(self, index: np.ndarray) -> Batch:
-        """The update rows of pairs `index`: chosen_* and rejected_* sequences."""
-        columns = {}
+        """The update rows of pairs `index`: chosen_* and rejected_* sequences and their margins."""
+        columns = {"margin": self.margin[index]}
         for side, rows in zip(SIDES, (self.chosen, self.rejected)):
             columns.update({f"{side}_{key}": value for key, value in
                             _trim_left_padding({k: v[index] for k, v in rows.items()}).items()})
@@ -108,7 +118,7 @@ def _write_reward_model(path: Path, group, config: dict, tokenizer: Any) -> None
     """The reward model of `group` as an HF checkpoint at `path`, all or nothing (the engine's rank 0 writes the
     weights in the config's dtype)."""
     with atomic.new_directory(path) as partial:
-        group.run("save_hf_weights", str(partial / "model.safetensors"), dtype=config["dtype"])
+        group.run(MegatronWorker.save_hf_weights, str(partial / "model.safetensors"), dtype=config["dtype"])
         (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(partial)
 
@@ -134,6 +144,11 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
     rm_tokenizer = load_tokenizer(rm.tokenizer) if rm.tokenizer else policy_tokenizer
     inputs = RewardModelInputs(rm_tokenizer, policy_tokenizer,
                                max_length=arch_from_hf(hf_config).max_position_embeddings)
+    if inputs.pad_id == rm_tokenizer.eos_token_id:
+        logger.warning("train-rm: the reward model's tokenizer has no pad token, so its checkpoint's pad_token_id is "
+                       "EOS (id %d), as TRL's RewardTrainer does: HF's *ForSequenceClassification then reads a row "
+                       "ending in EOS at the token before it, and train-rm trains with that same token",
+                       inputs.pad_id)
     train_files, val_files = _pair_files(recipe, log_dir / "data")
     train_pairs, val_pairs = Pairs.build(read_pairs(train_files), inputs), Pairs.build(read_pairs(val_files), inputs)
     steps_per_epoch = len(train_pairs) // train.mini_batch_size
@@ -145,9 +160,9 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
 
     with ExitStack() as cleanup:
         ray_for_run(cleanup, ray_address)
-        logging = recipe.trainer.logging
-        tracker = Tracker(log_dir, total_steps=total_steps, jsonl=logging.jsonl, tensorboard=logging.tensorboard,
-                          console=logging.console)
+        sinks = recipe.trainer.logging
+        tracker = Tracker(log_dir, total_steps=total_steps, jsonl=sinks.jsonl, tensorboard=sinks.tensorboard,
+                          console=sinks.console)
         cleanup.callback(tracker.close)
         pool = plan_pools(recipe)["reward_model"]
         cleanup.callback(pool.release)
@@ -159,14 +174,15 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
                                           parallel=rm.parallel.model_dump(), weights=weights, hf_config=hf_config,
                                           data=prepare_data(recipe, run_dir), tracker=tracker,
                                           out_dir=log_dir / "sft_backbone")
+        # Trained with the pooling token the written checkpoint states (its pad id), so HF scores it alike.
         group = start_engine_group(pool, name="reward_model", kind="reward", parallel=rm.parallel.model_dump(),
-                                   hf_config=hf_config, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
+                                   hf_config={**hf_config, "pad_token_id": inputs.pad_id}, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
                                    transformer_impl=recipe.model.transformer_impl,
                                    optimizer=reward_model_optimizer_settings(recipe, train_pairs=len(train_pairs)),
                                    log_dir=None)
         cleanup.callback(group.kill)
         if warmed is not None:
-            group.run("load_policy_checkpoint", str(warmed))  # the backbone; the score head starts at zero
+            group.run(MegatronWorker.load_policy_checkpoint, str(warmed))  # the backbone; the score head starts at zero
         role = RewardModelRole(group, batching=reward_scoring_batching(recipe))
         settings = preference_update_settings(recipe)
         rng = np.random.default_rng(recipe.seed)

@@ -16,7 +16,7 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.placement import plan_pools
 from megarl.cluster.ray_cluster import ray_for_run
 from megarl.config import Recipe
@@ -40,7 +40,7 @@ def warmed_up_checkpoint(recipe: Recipe, *, pool, parallel: dict, weights: Path,
     try:
         steps = run_sft_warmup(PolicyRole(group, batching=logprob_batching(recipe)), data, recipe, tracker)
         shutil.rmtree(out_dir, ignore_errors=True)
-        group.run("save_checkpoint", str(out_dir), weights_only=True)
+        group.run(MegatronWorker.save_checkpoint, str(out_dir), weights_only=True)
         tracker.message(f"warm-up: {steps} supervised steps, saved to {out_dir}")
         return out_dir
     finally:

@@ -49,7 +49,8 @@ def _model_shape(config: dict[str, Any], key: str) -> tuple[dict[str, int], list
         else:
             shape[name] = value
     shape["num_key_value_heads"] = config.get("num_key_value_heads") or shape.get("num_attention_heads", 1)
-    for name in ("max_position_embeddings", *MOE_EXPERT_KEYS):
+    for name in ("max_position_embeddings", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                 *MOE_EXPERT_KEYS):
         if isinstance(config.get(name), int):
             shape[name] = config[name]
     return shape, problems
@@ -384,6 +385,37 @@ def _check_multi_turn(recipe: Recipe) -> list[Problem]:
     return problems
 
 
+def _check_lora(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem]:
+    """LoRA adapters on the actor, and the adapter-only weight sync that needs them."""
+    lora, problems = recipe.actor.lora, []
+    if lora is None:
+        if recipe.weight_sync.lora == "adapter":
+            problems.append(_problem("weight_sync.lora", "the adapter-only sync needs actor.lora", "adapter"))
+        return problems
+    if recipe.actor.parallel.sequence_parallel:
+        problems.append(_problem("actor.parallel.sequence_parallel", "not supported with actor.lora", True))
+    if recipe.sft_warmup.steps > 0:
+        problems.append(_problem("sft_warmup.steps", "with actor.lora the base is frozen and the warm-up would "
+                                 "train it: run `megarl warmup` without actor.lora and set model.path to its "
+                                 "output", recipe.sft_warmup.steps))
+    if "parallel" in recipe.reference.model_fields_set:
+        # No reference engine runs: KL terms take the base model's log-probs from the actor itself.
+        problems.append(_problem("reference.parallel", "with actor.lora the reference policy is the actor with its "
+                                 "adapters switched off and no reference engine runs; remove the reference "
+                                 "section", "a reference layout", verbatim=True))
+    if shape is not None:
+        ffn = "moe_intermediate_size" if any(name in shape for name in MOE_EXPERT_KEYS) else "intermediate_size"
+        sizes = [shape[name] for name in ("hidden_size", ffn) if name in shape]
+        if sizes and lora.rank > min(sizes):
+            problems.append(_problem("actor.lora.rank", f"larger than the smallest dimension of an adapted linear "
+                                     f"({min(sizes)})", lora.rank))
+    if recipe.weight_sync.lora == "adapter" and recipe.weight_sync.transport == "distributed":
+        problems.append(_problem("weight_sync.transport", "an adapter-only sync (weight_sync.lora: adapter) goes "
+                                 "through tensors on colocated servers or a shared directory: use 'tensor' or "
+                                 "'disk'", "distributed"))
+    return problems
+
+
 def check_recipe(recipe: Recipe) -> list[Problem]:
     """Every cross-field problem of a field-valid recipe (empty when it is consistent)."""
     problems = _check_model_source(recipe)
@@ -414,6 +446,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_algorithm_and_data(recipe, shape)
     problems += _check_reward(recipe)
     problems += _check_multi_turn(recipe)
+    problems += _check_lora(recipe, shape)
     if recipe.reward_model is not None and role_pool(recipe.placement, "reward_model") is not None:
         problems += _check_reward_model_training(recipe)
     return problems

@@ -197,6 +197,12 @@ class WeightSyncConfig(Section):
     bucket_mb: PositiveInt = Field(512, description="size of one transfer bucket in MiB")
     verify: Literal["none", "checksum"] = Field("none", description="checksum every synced tensor (debugging)")
     timeout_s: PositiveFloat = Field(600.0, description="one sync may take at most this long")
+    lora: Literal["merged", "adapter"] = Field(
+        "merged", description="with actor.lora: merged = W + (alpha/r) B A of the adapted weights through the "
+        "transport (the servers need no LoRA support); adapter = only the adapters, loaded as a LoRA adapter that "
+        "every generation names (transport tensor: /load_lora_adapter_from_tensors on colocated servers; disk: "
+        "/load_lora_adapter from the run directory, which the servers must see)"
+    )
 
 
 class WandbConfig(Section):

@@ -39,6 +39,19 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """The actor's LoRA adapters (`actor.lora`): rank r, alpha (the update is scaled by alpha / r), dropout on
+    the adapter's input, the Megatron linears adapted, how A is initialised (B starts at 0) and from which seed."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    init: str
+    seed: int
+
+
+@dataclass(frozen=True)
 class PolicyLossSettings:
     """The policy loss (`policy_loss`, a `POLICY_LOSSES` name): clipping, aggregation, entropy bonus and the
     optional KL-to-reference term."""
@@ -104,6 +117,7 @@ class WeightSyncSettings:
     verify: str
     timeout_s: float
     disk_dir: str
+    lora: str  # with LoRA: "merged" weights, or "adapter" only
 
 
 @dataclass(frozen=True)
@@ -213,7 +227,17 @@ def weight_sync_settings(recipe: Recipe, run_dir: Path) -> WeightSyncSettings:
         verify=sync.verify,
         timeout_s=sync.timeout_s,
         disk_dir=str(Path(run_dir) / "weight_sync"),
+        lora=sync.lora,
     )
+
+
+def lora_settings(recipe: Recipe) -> LoraSettings | None:
+    """The actor's LoRA adapters (None: full fine-tuning); adapters are initialised from the run seed."""
+    lora = recipe.actor.lora
+    if lora is None:
+        return None
+    return LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.target_modules),
+                        init=lora.init, seed=recipe.seed)
 
 
 def reward_scoring_batching(recipe: Recipe) -> Batching:

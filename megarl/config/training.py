@@ -128,6 +128,33 @@ class Optim(Section):
     min_lr: NonNegativeFloat = Field(0.0, description="floor of the cosine/linear decay")
 
 
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LORA_TARGETS = get_args(LoraTarget)
+
+
+class LoraConfig(Section):
+    rank: PositiveInt = Field(16, description="LoRA rank r of every adapter")
+    alpha: PositiveFloat = Field(32.0, description="LoRA alpha: an adapter adds (alpha / rank) * B A x")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on each adapter's input (training only)")
+    target_modules: list[LoraTarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="Megatron linears that get adapters: linear_qkv (q/k/v_proj), linear_proj (o_proj), linear_fc1 "
+        "(gate/up_proj), linear_fc2 (down_proj); in an MoE model linear_fc1/linear_fc2 adapt every expert",
+    )
+    init: Literal["kaiming", "gaussian"] = Field(
+        "kaiming", description="A's initialisation (B starts at 0): kaiming-uniform as peft's default, or "
+        "gaussian N(0, 1/rank)"
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _no_repeats(cls, targets: list[str]) -> list[str]:
+        repeated = sorted({name for name in targets if targets.count(name) > 1})
+        if repeated:
+            raise ValueError(f"each module at most once (repeated: {repeated})")
+        return targets
+
+
 class ActorConfig(Section):
     parallel: Parallel = Field(default_factory=Parallel, description="Megatron layout of the actor")
     optim: Optim = Field(description="actor optimizer")
@@ -157,6 +184,10 @@ class ActorConfig(Section):
     kl_loss_type: KLPenalty = Field("low_var_kl", description="KL estimator used in the actor loss")
     logprob_micro_batch_size: PositiveInt | None = Field(
         None, description="samples per rank for log-prob forwards; null = ppo_micro_batch_size"
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train LoRA adapters on a frozen base instead of every weight; the reference policy is "
+        "then the actor with its adapters off (no reference engine runs); null = full fine-tuning"
     )
 
 

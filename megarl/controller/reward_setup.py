@@ -24,6 +24,7 @@ from megarl.controller.roles import RewardModelRole
 from megarl.data.rm_inputs import RewardModelInputs
 from megarl.data.tokenizer import load_tokenizer
 from megarl.models.spec import arch_from_hf
+from megarl.registry import REWARD_COMBINE_MODES
 from megarl.rewards.remote import RemoteRewardClient
 
 logger = logging.getLogger(__name__)
@@ -68,11 +69,15 @@ def start_reward_loop(recipe: Recipe, *, pools: dict, tokenizer: Any, manager: A
     elif reward.judge is not None:
         side = _judge_side(recipe, pool=pools["judge"], api_key=api_key, log_dir=run_dir / "logs" / "judge",
                            cleanup=cleanup)
-    elif reward.remote is not None:
+    elif reward.remote is not None and REWARD_COMBINE_MODES.get(reward.combine).uses_rm:
         remote = reward.remote
         side = ModelSide(remote=RemoteRewardClient(remote.url, max_concurrency=remote.max_concurrency,
                                                    timeout_s=remote.timeout_s, retries=remote.retries,
-                                                   backoff_s=remote.backoff_s, headers=remote.headers))
+                                                   backoff_s=remote.backoff_s, headers=remote.headers),
+                         remote_on_failure=remote.on_failure)
+    elif reward.remote is not None:
+        logger.info("reward.remote %s: not called, reward.combine %r does not use the model-side score",
+                    reward.remote.url, reward.combine)
     loop = RewardLoop(manager=manager, tokenizer=tokenizer, combine=reward.combine,
                       combine_options=combine_options(recipe), model_side=side)
     cleanup.callback(loop.close)

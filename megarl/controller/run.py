@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from megarl import atomic
-from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.fleet import sleeps_between_phases, start_rollout_fleet
 from megarl.cluster.memory import MemoryCycle
 from megarl.cluster.placement import plan_pools, total_devices
@@ -100,9 +100,9 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
             # Through a weights-only checkpoint of the actor: every rank of a follower reads only its own
             # shards, and no full copy of the model passes through this driver.
             handoff = run_dir / "sft_handoff"
-            actor_group.run("save_checkpoint", str(handoff), weights_only=True)
+            actor_group.run(MegatronWorker.save_checkpoint, str(handoff), weights_only=True)
             for group in followers:
-                group.run("load_policy_checkpoint", str(handoff))
+                group.run(MegatronWorker.load_policy_checkpoint, str(handoff))
             shutil.rmtree(handoff)
     api_key = secrets.token_hex(16)
     fleet = start_rollout_fleet(recipe, pool=pools["rollout"], weights=weights, tokenizer=data.tokenizer,
@@ -112,7 +112,7 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
     fleet.set_weight_source(partial(actor.push_weights, api_key=api_key,
                                     settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
-    cleanup.callback(actor_group.run, "close_weight_sync")
+    cleanup.callback(actor_group.run, MegatronWorker.close_weight_sync)
     episodes = None
     if recipe.rollout.multi_turn is not None:
         # Registered after fleet.shutdown: the sandbox and the environment stop first, on the fleet's loop.

@@ -164,6 +164,7 @@ class Trainer:
             max_prompt_length=self.settings.max_prompt_length,
             values=batch["values"] if "values" in batch else None,
             response_span=batch["attention_mask"][:, prompt_width:],
+            kept=~batch["dropped"] if "dropped" in batch else None,  # rows a failed remote reward dropped
         )
         metrics["rollout/logprob_diff"] = float(
             rollout_logprob_diff(batch["rollout_log_probs"], batch["old_log_probs"], mask)

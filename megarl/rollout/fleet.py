@@ -58,6 +58,7 @@ from megarl.rollout.router import RouterError, RouterHandle, start_router
 from megarl.rollout.server_host import (
     LOOPBACK,
     HostPlacement,
+    ServerHost,
     ServerSpec,
     bind_address,
     current_node_id,
@@ -271,7 +272,7 @@ class RolloutFleet:
         its GPUs, and when no server reports."""
         if self.spec.backend != "cpu":
             return None
-        peaks = [peak for server in self._servers if (peak := server.host.call("peak_memory_gb")) is not None]
+        peaks = [peak for server in self._servers if (peak := server.host.call(ServerHost.peak_memory_gb)) is not None]
         return max(peaks, default=None)
 
     def server_devices(self, urls: list[str]) -> list[list[str]] | None:
