@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megarl.config import load_recipe
-from megarl.config.settings import episode_settings
+from megarl.config.settings import multi_turn_settings
 from megarl.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,10 +28,11 @@ def test_the_tools_quickstart_and_its_baseline_without_tools():
     multi_turn = recipe.rollout.multi_turn
     assert (multi_turn.environment, multi_turn.tools, multi_turn.tool_call_format) == ("tool_use", ["calculator"],
                                                                                        "hermes")
-    settings = episode_settings(recipe)
-    assert settings.budget == recipe.data.max_response_length and settings.max_turns == multi_turn.max_turns
+    settings = multi_turn_settings(recipe)
+    assert settings.episodes.budget == recipe.data.max_response_length
+    assert (settings.episodes.max_turns, settings.tools, settings.sandbox.workers) == (3, ("calculator",), 2)
     baseline = load_recipe(TOOLS_RECIPE, ["rollout.multi_turn=null"])
-    assert baseline.rollout.multi_turn is None and baseline.data == recipe.data and baseline.actor == recipe.actor
+    assert multi_turn_settings(baseline) is None and baseline.data == recipe.data and baseline.actor == recipe.actor
 
 
 def test_user_entries_are_imported_by_python_path(tmp_path, monkeypatch):
@@ -93,7 +94,7 @@ def test_warm_up_traces_are_played_with_the_tools_and_train_the_model_turns_only
     tokenizer = load_tokenizer()
     train, _ = write_arithmetic_dataset(tmp_path / "data", 3, 1, seed=0, max_operand=99999)
     items = list(RLDataset([train], tokenizer, max_prompt_length=48))
-    demonstrations = Demonstrations(recipe, tokenizer=tokenizer, run_dir=tmp_path / "run")
+    demonstrations = Demonstrations(multi_turn_settings(recipe), tokenizer=tokenizer, run_dir=tmp_path / "run")
     try:
         batch = demonstrations.batch(Batch.from_dict(collate_prompts(items, tokenizer.pad_token_id)))
     finally:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megarl.config import load_recipe
+from megarl.config.settings import multi_turn_settings, rollout_sampling
 from megarl.controller.multi_turn import EpisodeRewards, start_agent
 from megarl.controller.phases import add_response_mask, add_uids, split_generation_batch
 from megarl.controller.roles import Roles
@@ -45,7 +46,7 @@ def setup(tmp_path_factory):
                               tokenizer.pad_token_id)
     spec = ServerSpec(backend="cpu", model_path=str(root / "model"), log_dir=str(root / "logs"), api_key="k")
     with ExitStack() as cleanup:
-        fleet = cleanup.enter_context(RolloutFleet(spec, num_servers=1, max_response_length=BUDGET,
+        fleet = cleanup.enter_context(RolloutFleet(spec, num_servers=1,
                                                    pad_token_id=tokenizer.pad_token_id, seed=1, use_ray=False))
         sent: list[list[int]] = []
         request = fleet._client.request
@@ -57,13 +58,13 @@ def setup(tmp_path_factory):
             return reply
 
         fleet._client.request = recording
-        episodes = start_agent(recipe, fleet=fleet, tokenizer=tokenizer, run_dir=root / "run", cleanup=cleanup)
+        episodes = start_agent(multi_turn_settings(recipe), fleet=fleet, tokenizer=tokenizer, run_dir=root / "run", cleanup=cleanup)
         roles = Roles(actor=None, rollout=fleet, reward=EpisodeRewards(), memory=None, episodes=episodes)
         batch = add_uids(Batch.from_dict(prompts))
         gen_batch = split_generation_batch(batch).repeat(N, interleave=True)
         batch = batch.repeat(N, interleave=True)
         scoring = roles.reward.begin(batch, gen_batch)
-        rollout = roles.generate(gen_batch, temperature=1.0, seed=0, on_rows=scoring.add)
+        rollout = roles.generate(gen_batch, rollout_sampling(recipe, eos_token_id=tokenizer.eos_token_id), seed=0, on_rows=scoring.add)
         batch = add_response_mask(batch.union(rollout))
         batch, metrics = scoring.finish(batch, rows=np.arange(len(batch)))
         yield tokenizer, batch, metrics, sent

@@ -17,6 +17,7 @@ Stopping the fleet's generation (SIGTERM) cancels every episode.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -26,10 +27,10 @@ from megarl.agent.env_base import Environment, EpisodeRow
 from megarl.agent.episodes import play_all
 from megarl.agent.toolbox import ToolBox
 from megarl.agent.trajectory import to_tensors
-from megarl.config.settings import EpisodeSettings
+from megarl.config.settings import EpisodeSettings, SamplingSettings
 from megarl.protocol import Batch
 from megarl.rollout.batching import assemble_rollout, prompt_token_lists
-from megarl.rollout.dispatch import sample_seed
+from megarl.rollout.sampling import sample_seed
 
 
 def episode_rows(batch: Batch) -> list[EpisodeRow]:
@@ -56,16 +57,17 @@ class MultiTurnRollout:
         self.fleet, self.env, self.toolbox, self.chat, self.parse = fleet, env, toolbox, chat, parse
         self.settings, self.pad_id = settings, pad_id
 
-    def generate(self, gen_batch: Batch, *, temperature: float, seed: int, on_rows=None) -> Batch:
-        """Episodes of every row of `gen_batch` (see the module docstring). `on_rows` is not called: the
-        environment rewards each episode as it ends, nothing is left to score."""
+    def generate(self, gen_batch: Batch, sampling: SamplingSettings, *, seed: int, on_rows=None) -> Batch:
+        """Episodes of every row of `gen_batch`, each turn sampled with `sampling` and at most the tokens its
+        episode has left (see the module docstring). `on_rows` is not called: the environment rewards each
+        episode as it ends, nothing is left to score."""
         prompts = prompt_token_lists(gen_batch)
         rows = episode_rows(gen_batch)
         call_seed = self.fleet.call_seed(seed)
         before = self.toolbox.snapshot() if self.toolbox is not None else None
 
         async def turn(ids: list[int], max_new_tokens: int, turn_seed: int | None):
-            return await self.fleet.generate_one(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+            return await self.fleet.generate_one(ids, replace(sampling, max_new_tokens=max_new_tokens),
                                                  seed=turn_seed)
 
         trajectories = self.fleet.run_generation(play_all(

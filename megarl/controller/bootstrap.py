@@ -17,6 +17,7 @@ from megarl import atomic
 from megarl.agent.tools import schemas
 from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Recipe
+from megarl.config.settings import multi_turn_settings
 from megarl.data.dataset import PromptLoader, RLDataset
 from megarl.data.guessing import write_guessing_dataset
 from megarl.data.random_digits import write_random_digits_dataset
@@ -66,8 +67,8 @@ def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
                 run_dir / "data", synth.num_train, synth.num_val, synth.seed, synth.max_operand
             )
         train_files, val_files = [str(train_path)], [str(val_path)] if val_path else []
-    multi_turn = recipe.rollout.multi_turn
-    tools = schemas(multi_turn.tools) if multi_turn is not None else None
+    multi_turn = multi_turn_settings(recipe)
+    tools = schemas(list(multi_turn.tools)) if multi_turn is not None else None
     train_dataset = RLDataset(train_files, tokenizer, max_prompt_length=data.max_prompt_length,
                               prompt_key=data.prompt_key, tools=tools)
     val_dataset = (

@@ -29,31 +29,29 @@ from megarl.agent.rollout import MultiTurnRollout, episode_rows
 from megarl.agent.sandbox import SandboxPool
 from megarl.agent.toolbox import ToolBox
 from megarl.algorithms.metrics import multi_turn_metrics
-from megarl.config import Recipe
-from megarl.config.settings import episode_settings
+from megarl.config.settings import MultiTurnSettings, SandboxSettings
 from megarl.controller.phases import assemble_rollout, prompt_token_lists, split_generation_batch
 from megarl.protocol import Batch
 from megarl.registry import ENVIRONMENTS, TOOL_CALL_FORMATS
 from megarl.rollout.results import GenerationResult
 
 
-def sandbox_limits(recipe: Recipe) -> Limits:
-    sandbox = recipe.rollout.multi_turn.sandbox
+def sandbox_limits(sandbox: SandboxSettings) -> Limits:
     return Limits(wall_s=sandbox.wall_s, cpu_s=sandbox.cpu_s, memory_mb=sandbox.memory_mb,
                   max_output_bytes=sandbox.max_output_bytes, max_processes=sandbox.max_processes,
                   max_file_mb=sandbox.max_file_mb)
 
 
-async def _agent_parts(recipe: Recipe, *, run_dir: Path) -> tuple[Any, ToolBox | None]:
+async def _agent_parts(settings: MultiTurnSettings, *, run_dir: Path) -> tuple[Any, ToolBox | None]:
     """(environment, toolbox) started on the running loop."""
-    multi_turn = recipe.rollout.multi_turn
     toolbox = None
-    if multi_turn.tools:
-        pool = SandboxPool(tools=multi_turn.tools, size=multi_turn.sandbox.workers, limits=sandbox_limits(recipe),
-                           hidden=[run_dir], log_path=run_dir / "logs" / "sandbox.log")
+    if settings.tools:
+        pool = SandboxPool(tools=list(settings.tools), size=settings.sandbox.workers,
+                           limits=sandbox_limits(settings.sandbox), hidden=[run_dir],
+                           log_path=run_dir / "logs" / "sandbox.log")
         await pool.start()
-        toolbox = ToolBox(pool, format=TOOL_CALL_FORMATS.get(multi_turn.tool_call_format).target)
-    env = ENVIRONMENTS.resolve(multi_turn.environment).target(tools=toolbox, **multi_turn.environment_options)
+        toolbox = ToolBox(pool, format=TOOL_CALL_FORMATS.get(settings.tool_call_format).target)
+    env = ENVIRONMENTS.resolve(settings.environment).target(tools=toolbox, **settings.environment_options)
     return env, toolbox
 
 
@@ -63,16 +61,16 @@ async def _close(env: Any, toolbox: ToolBox | None) -> None:
         await toolbox.pool.close()
 
 
-def start_agent(recipe: Recipe, *, fleet: Any, tokenizer: Any, run_dir: Path, cleanup: ExitStack) -> MultiTurnRollout:
+def start_agent(settings: MultiTurnSettings, *, fleet: Any, tokenizer: Any, run_dir: Path,
+                cleanup: ExitStack) -> MultiTurnRollout:
     """The multi-turn generation of the run on `fleet`; its sandbox and environment stop with the run (before the
     fleet: register this after the fleet's shutdown)."""
-    multi_turn = recipe.rollout.multi_turn
-    env, toolbox = fleet.on_loop(_agent_parts(recipe, run_dir=run_dir))
+    env, toolbox = fleet.on_loop(_agent_parts(settings, run_dir=run_dir))
     cleanup.callback(fleet.on_loop, _close(env, toolbox))
     return MultiTurnRollout(fleet, env=env, toolbox=toolbox,
-                            chat=ChatSegments(tokenizer, max_tokens=multi_turn.max_tool_response_tokens),
-                            parse=TOOL_CALL_FORMATS.get(multi_turn.tool_call_format).target.parse,
-                            settings=episode_settings(recipe), pad_id=tokenizer.pad_token_id)
+                            chat=ChatSegments(tokenizer, max_tokens=settings.max_tool_response_tokens),
+                            parse=TOOL_CALL_FORMATS.get(settings.tool_call_format).target.parse,
+                            settings=settings.episodes, pad_id=tokenizer.pad_token_id)
 
 
 class EpisodeRewards:
@@ -116,24 +114,23 @@ class _Script:
         return GenerationResult(out, [0.0] * len(out), "stop", None)
 
 
-def demonstration_batch(prompts: Batch, recipe: Recipe, *, tokenizer: Any, env: Any, chat: ChatSegments,
-                        loop: asyncio.AbstractEventLoop) -> Batch:
+def demonstration_batch(prompts: Batch, settings: MultiTurnSettings, *, tokenizer: Any, env: Any,
+                        chat: ChatSegments, loop: asyncio.AbstractEventLoop) -> Batch:
     """Supervised traces of `prompts` (a loader batch): prompt + the played reference episode, `loss_mask` on the
     model's turns only (see the module docstring)."""
     prompts["uid"] = np.array([str(index) for index in range(len(prompts))], dtype=object)
     rows = episode_rows(prompts)
     gen = split_generation_batch(prompts)
-    parse = TOOL_CALL_FORMATS.get(recipe.rollout.multi_turn.tool_call_format).target.parse
-    settings = episode_settings(recipe)
+    parse = TOOL_CALL_FORMATS.get(settings.tool_call_format).target.parse
 
     async def play_every_row():
         return await asyncio.gather(*(
-            play(row=row, prompt_ids=ids, env=env, chat=chat, parse=parse, settings=settings, seed=None,
+            play(row=row, prompt_ids=ids, env=env, chat=chat, parse=parse, settings=settings.episodes, seed=None,
                  generate=_Script(env.demonstration(row) or [str(row.extra_info.get("answer", ""))], tokenizer))
             for row, ids in zip(rows, prompt_token_lists(gen))))
 
     trajectories = loop.run_until_complete(play_every_row())
-    width = recipe.data.max_response_length
+    width = settings.episodes.budget
     responses = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros(len(rows), width)
     for index, trajectory in enumerate(trajectories):
@@ -149,14 +146,14 @@ def demonstration_batch(prompts: Batch, recipe: Recipe, *, tokenizer: Any, env: 
 class Demonstrations:
     """The environment and tools of the warm-up's traces, on a loop of their own (the fleet is not up yet)."""
 
-    def __init__(self, recipe: Recipe, *, tokenizer: Any, run_dir: Path):
-        self.recipe, self.tokenizer = recipe, tokenizer
+    def __init__(self, settings: MultiTurnSettings, *, tokenizer: Any, run_dir: Path):
+        self.settings, self.tokenizer = settings, tokenizer
         self.loop = asyncio.new_event_loop()
-        self.env, self.toolbox = self.loop.run_until_complete(_agent_parts(recipe, run_dir=run_dir))
-        self.chat = ChatSegments(tokenizer, max_tokens=recipe.rollout.multi_turn.max_tool_response_tokens)
+        self.env, self.toolbox = self.loop.run_until_complete(_agent_parts(settings, run_dir=run_dir))
+        self.chat = ChatSegments(tokenizer, max_tokens=settings.max_tool_response_tokens)
 
     def batch(self, prompts: Batch) -> Batch:
-        return demonstration_batch(prompts, self.recipe, tokenizer=self.tokenizer, env=self.env, chat=self.chat,
+        return demonstration_batch(prompts, self.settings, tokenizer=self.tokenizer, env=self.env, chat=self.chat,
                                    loop=self.loop)
 
     def close(self) -> None:

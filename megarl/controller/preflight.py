@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from megarl.config import Recipe
+from megarl.config.settings import multi_turn_settings
 from megarl.data import guessing, random_digits, synthetic
 from megarl.data.dataset import read_prompt_rows
 from megarl.data.tokenizer import load_tokenizer
@@ -99,7 +100,7 @@ def _check_data(recipe: Recipe) -> None:
         sources |= {row["data_source"] for row in rows}
     if problems:
         raise InputError(problems)
-    if recipe.rollout.multi_turn is not None:
+    if multi_turn_settings(recipe) is not None:
         return  # the environment rewards the episodes: no data source needs a scorer
     scorers = build_scorers(reward.scorers, gsm8k_method=reward.gsm8k_method, format_score=reward.format_score,
                             score=reward.score)

@@ -14,7 +14,7 @@ from statistics import mean
 
 import torch
 
-from megarl.config.settings import Batching
+from megarl.config.settings import Batching, multi_turn_settings
 from megarl.controller.multi_turn import Demonstrations
 from megarl.controller.phases import assemble_rollout, split_generation_batch
 from megarl.controller.roles import PolicyRole
@@ -48,10 +48,10 @@ def run_sft_warmup(actor: PolicyRole, data, recipe, tracker, *, stop_requested=l
     warmup = recipe.sft_warmup
     batching = Batching(recipe.actor.ppo_micro_batch_size, recipe.actor.max_tokens_per_microbatch)
     loader = PromptLoader(data.train_dataset, warmup.batch_size, shuffle=True, seed=recipe.seed + 1)
-    demonstrations = None
-    if recipe.rollout.multi_turn is not None:
+    demonstrations, multi_turn = None, multi_turn_settings(recipe)
+    if multi_turn is not None:
         run_dir = Path(recipe.trainer.output_dir).expanduser() / recipe.name
-        demonstrations = Demonstrations(recipe, tokenizer=data.tokenizer, run_dir=run_dir)
+        demonstrations = Demonstrations(multi_turn, tokenizer=data.tokenizer, run_dir=run_dir)
     recent: deque[float] = deque(maxlen=10)
     step = 0
     try:

@@ -1,8 +1,8 @@
 """Model architecture specs and HF <-> Megatron weight layouts (pure torch, no megatron import).
 
 `spec` says which HF families are supported (Llama, Qwen2, Qwen3, Qwen3-MoE, registered in
-`megarl.registry.MODEL_SPECS`) and their dimensions; `layout` converts state dicts between HF names and the full Megatron
-layout (and says which HF slices make one TP rank's shard); `sharding` splits the full Megatron layout into per-rank TP/PP/VPP/EP shards
+`megarl.registry.MODEL_SPECS`) and their dimensions; `layout` converts state dicts between HF
+names and the full Megatron layout (and says which HF slices make one TP rank's shard); `sharding` splits the full Megatron layout into per-rank TP/PP/VPP/EP shards
 and merges them back.
 """
 

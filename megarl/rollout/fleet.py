@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Coroutine, TypeVar
 
+from megarl.config.settings import SamplingSettings
 from megarl.errors import InputError
 from megarl.protocol import Batch
 from megarl.rollout.batching import prompt_groups, prompt_token_lists, rollout_batch
@@ -91,13 +92,8 @@ class RolloutFleet:
         spec: ServerSpec,
         *,
         num_servers: int,
-        max_response_length: int,
         pad_token_id: int,
-        stop_token_ids: list[int] | None = None,
         seed: int = 0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        ignore_eos: bool = False,
         max_concurrency: int = 256,
         routing: str = "client",
         router_policy: str = "cache_aware",
@@ -115,12 +111,7 @@ class RolloutFleet:
         if spec.backend == "sglang":
             passthrough_args(spec.sglang_args)  # a bad recipe block fails before any process starts
         self.spec = spec
-        self.max_response_length, self.pad_token_id = max_response_length, pad_token_id
-        self.sampling = {"max_new_tokens": max_response_length, "top_p": top_p, "top_k": top_k}
-        if stop_token_ids:
-            self.sampling["stop_token_ids"] = list(stop_token_ids)
-        if ignore_eos:  # every response max_response_length tokens long (SGLang ignores the stop tokens too)
-            self.sampling["ignore_eos"] = True
+        self.pad_token_id = pad_token_id
         self.seed, self.max_concurrency = seed, max_concurrency
         self.max_restarts, self.max_attempts, self.startup_timeout_s = max_restarts, max_attempts, startup_timeout_s
         self._weight_lock = threading.Lock()
@@ -171,19 +162,22 @@ class RolloutFleet:
         return [{"index": s.index, "url": s.url, "pid": s.pid, "state": s.state, "restarts": s.restarts,
                  "failure": s.failure} for s in self._servers]
 
-    def generate(self, gen_batch: Batch, *, temperature: float, seed: int,
+    def generate(self, gen_batch: Batch, sampling: SamplingSettings, *, seed: int,
                  on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None) -> Batch:
-        """Responses, full sequences, engine log-probs and finish reasons for every row of `gen_batch`.
+        """Responses (at most `sampling.max_new_tokens`, right-padded to it), full sequences, engine log-probs and
+        finish reasons for every row of `gen_batch`, sampled with `sampling`; `seed` and the fleet's own seed
+        give every row its sampling seed.
 
         `on_rows(rows, results)` is told about rows as soon as they finish (the reward loop scores them
         while the others generate); it runs on the client's event loop and must only queue work."""
         prompts = prompt_token_lists(gen_batch)
         groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
         results = self.run_generation(generate_rows(
-            prompts, groups, sampling={**self.sampling, "temperature": temperature}, seed=self.call_seed(seed),
-            targets=self, request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows,
+            prompts, groups, sampling=sampling, seed=self.call_seed(seed), targets=self,
+            request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows,
         ))
-        return rollout_batch(gen_batch, results, pad_id=self.pad_token_id, max_response_length=self.max_response_length)
+        return rollout_batch(gen_batch, results, pad_id=self.pad_token_id,
+                             max_response_length=sampling.max_new_tokens)
 
     def call_seed(self, seed: int) -> int:
         """The seed of a generation call numbered `seed` (the step) in this run; rows derive theirs from it."""
@@ -204,11 +198,10 @@ class RolloutFleet:
         finally:
             self._generation = None
 
-    async def generate_one(self, input_ids: list[int], *, max_new_tokens: int, temperature: float,
+    async def generate_one(self, input_ids: list[int], sampling: SamplingSettings, *,
                            seed: int | None) -> GenerationResult:
         """One sample continuing `input_ids` exactly, sent through the fleet with its retries (on the fleet's loop,
         inside `run_generation`): a turn of a multi-turn episode."""
-        sampling = {**self.sampling, "temperature": temperature, "max_new_tokens": max_new_tokens}
         (result,) = await generate_rows([list(input_ids)], [[0]], sampling=sampling, seed=seed, targets=self,
                                         request=self._client.request, max_attempts=self.max_attempts)
         return result
