@@ -86,14 +86,14 @@ def test_validate_names_the_key_and_exits_2():
 def test_warm_up_traces_are_played_with_the_tools_and_train_the_model_turns_only(tmp_path):
     from megarl.controller.multi_turn import Demonstrations
     from megarl.data.dataset import RLDataset, collate_prompts
-    from megarl.data.synthetic import write_arithmetic_dataset
+    from megarl.data.synthetic import arithmetic_rows
     from megarl.data.tokenizer import load_tokenizer
     from megarl.protocol import Batch
 
     recipe = load_recipe(TOOLS_RECIPE, [f"trainer.output_dir={tmp_path}"])
     tokenizer = load_tokenizer()
-    train, _ = write_arithmetic_dataset(tmp_path / "data", 3, 1, seed=0, max_operand=99999)
-    items = list(RLDataset([train], tokenizer, max_prompt_length=48))
+    items = list(RLDataset(arithmetic_rows(3, seed=0, split="train", max_operand=99999), tokenizer,
+                           max_prompt_length=48))
     demonstrations = Demonstrations(multi_turn_settings(recipe), tokenizer=tokenizer, run_dir=tmp_path / "run")
     try:
         batch = demonstrations.batch(Batch.from_dict(collate_prompts(items, tokenizer.pad_token_id)))

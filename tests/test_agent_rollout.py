@@ -21,7 +21,7 @@ from megarl.controller.multi_turn import EpisodeRewards, start_agent
 from megarl.controller.phases import add_response_mask, add_uids, split_generation_batch
 from megarl.controller.roles import Roles
 from megarl.data.dataset import RLDataset, collate_prompts
-from megarl.data.guessing import write_guessing_dataset
+from megarl.data.guessing import guessing_rows
 from megarl.data.tokenizer import load_tokenizer
 from megarl.protocol import Batch
 from megarl.rollout.fleet import RolloutFleet
@@ -41,9 +41,8 @@ def setup(tmp_path_factory):
     model = tiny_model("llama", seed=4, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     model.save_pretrained(root / "model")
     recipe = load_recipe(_recipe(root))
-    train, _ = write_guessing_dataset(root / "data", 4, 1, seed=0)
-    prompts = collate_prompts([item for item in RLDataset([train], tokenizer, max_prompt_length=96)],
-                              tokenizer.pad_token_id)
+    rows = guessing_rows(4, seed=0, split="train")
+    prompts = collate_prompts(list(RLDataset(rows, tokenizer, max_prompt_length=96)), tokenizer.pad_token_id)
     spec = ServerSpec(backend="cpu", model_path=str(root / "model"), log_dir=str(root / "logs"), api_key="k")
     with ExitStack() as cleanup:
         fleet = cleanup.enter_context(RolloutFleet(spec, num_servers=1,

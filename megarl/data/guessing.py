@@ -8,12 +8,9 @@ streams of their own.
 
 from __future__ import annotations
 
-import functools
 import random
-from pathlib import Path
 
-from megarl import atomic
-from megarl.data.rows import make_row, write_rows
+from megarl.data.rows import make_row
 
 DATA_SOURCE = "megarl/guessing"
 
@@ -26,12 +23,7 @@ def guessing_rows(num: int, *, seed: int, split: str, high: int = 100) -> list[d
             for index in range(num)]
 
 
-def write_guessing_dataset(out_dir: Path, num_train: int, num_val: int, seed: int, high: int = 100
-                           ) -> tuple[Path, Path]:
-    """Write `train.parquet` and `test.parquet` under `out_dir`."""
-    train_path, val_path = Path(out_dir) / "train.parquet", Path(out_dir) / "test.parquet"
-    atomic.write_files({
-        train_path: functools.partial(write_rows, guessing_rows(num_train, seed=seed, split="train", high=high)),
-        val_path: functools.partial(write_rows, guessing_rows(num_val, seed=seed, split="test", high=high)),
-    })
-    return train_path, val_path
+def guessing_splits(num_train: int, num_val: int, seed: int, high: int = 100) -> dict[str, list[dict]]:
+    """{"train": rows, "test": rows} of the game."""
+    return {"train": guessing_rows(num_train, seed=seed, split="train", high=high),
+            "test": guessing_rows(num_val, seed=seed, split="test", high=high)}
