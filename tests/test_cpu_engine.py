@@ -102,12 +102,8 @@ def other_reference(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def server(model_dirs, tmp_path_factory):
-    log = tmp_path_factory.mktemp("cpu_engine_logs") / "server.log"
-    handle = start_cpu_engine(model_dirs["base"], api_key=API_KEY, log_path=log, weight_version="v0", seed=123)
-    yield handle
-    handle.stop()
-    assert handle.process.poll() is not None
+def server(model_dirs, cpu_engine):
+    return cpu_engine(model_dirs["base"], api_key=API_KEY, weight_version="v0", seed=123)
 
 
 def call(server, path: str, body=None, *, method: str = "POST", key: str | None = API_KEY, raw: bytes | None = None):

@@ -40,12 +40,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("robust_logs") / "server.log"
-    handle = start_cpu_engine(model_dir, api_key=API_KEY, log_path=log, enable_memory_saver=True,
-                              weight_update_group_timeout_s=GROUP_TIMEOUT_S, max_request_bytes=BODY_LIMIT)
-    yield handle
-    handle.stop()
+def server(model_dir, cpu_engine):
+    return cpu_engine(model_dir, api_key=API_KEY, enable_memory_saver=True,
+                      weight_update_group_timeout_s=GROUP_TIMEOUT_S, max_request_bytes=BODY_LIMIT)
 
 
 def healthy(server) -> bool:

@@ -83,11 +83,10 @@ def start(models, name: str, **options):
 
 
 @pytest.fixture(scope="module")
-def server(models):
+def server(models, cpu_engine):
     """The module's server: memory saver on, no host copy of the weights, 1 s health timeout."""
-    handle = start(models, "server", enable_memory_saver=True)
-    yield handle
-    handle.stop()
+    return cpu_engine(models["base"], api_key=API_KEY, weight_version="v0", health_check_timeout_s=HEALTH_TIMEOUT_S,
+                      enable_memory_saver=True)
 
 
 def fatal(handle, status_reply, pattern: str) -> None:

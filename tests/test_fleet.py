@@ -18,9 +18,10 @@ import urllib.request
 import pytest
 from _http import call as http_call
 from _settings import sampling
+from _tiny import served_model
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from megarl.data.padding import left_pad, position_ids_from_mask
 from megarl.errors import InputError
 from megarl.protocol import Batch
 from megarl.rollout import FleetError, RolloutClient, RolloutFleet, ServerSpec, ServerStartError
@@ -145,23 +146,10 @@ def test_dispatch_fails_at_once_on_a_bad_request_and_after_bounded_attempts():
 # ---- a real fleet -----------------------------------------------------------------------------
 
 
-def tiny_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
-
-
 def generation_batch(prompts: list[list[int]], n: int) -> Batch:
     """Left-padded prompts with a uid each, repeated n times interleaved (as the step loop does)."""
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+    ids, mask = left_pad(prompts, 0)
+    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
                              "uid": [f"uid-{row}" for row in range(len(prompts))]})
     return batch.repeat(n, interleave=True)
 
@@ -173,8 +161,8 @@ def call(url: str, path: str, body=None, *, key: str | None = API_KEY) -> tuple[
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("fleet_models")
-    tiny_model(0).save_pretrained(root / "base")
-    trained = tiny_model(1)
+    served_model(0).save_pretrained(root / "base")
+    trained = served_model(1)
     return {"base": root / "base", "trained": trained}
 
 

@@ -13,10 +13,10 @@ import signal
 import pytest
 from _http import call as http_call
 from _settings import sampling
-from _tiny import greedy_continuation
+from _tiny import greedy_continuation, served_model
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from megarl.data.padding import left_pad, position_ids_from_mask
 from megarl.protocol import Batch
 from megarl.rollout import RolloutFleet, ServerSpec
 from megarl.rollout.router import router_argv
@@ -29,12 +29,6 @@ MAX_RESPONSE = 12
 
 pytestmark = pytest.mark.dist
 
-
-def tiny_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
 
 
 def call(url: str, path: str, body=None, *, key: str | None = API_KEY) -> tuple[int, object]:
@@ -51,8 +45,8 @@ def greedy(url: str, prompt: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("router_models")
-    tiny_model(0).save_pretrained(root / "base")
-    other = tiny_model(1)
+    served_model(0).save_pretrained(root / "base")
+    other = served_model(1)
     other.save_pretrained(root / "other")
     return {"base": root / "base", "other": root / "other", "other_model": other}
 
@@ -67,13 +61,8 @@ def fleet(models, tmp_path_factory):
 
 
 def generation_batch(n: int) -> Batch:
-    width = max(map(len, PROMPTS))
-    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(PROMPTS):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(0),
+    ids, mask = left_pad(PROMPTS, 0)
+    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
                              "uid": [f"p{row}" for row in range(len(PROMPTS))]})
     return batch.repeat(n, interleave=True)
 

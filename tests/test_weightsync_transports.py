@@ -60,13 +60,11 @@ PROMPTS = [[1, 2, 3, 4, 5], [17, 42]]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, cpu_engine):
     root = tmp_path_factory.mktemp("weightsync")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(root / "model")
-    handle = start_cpu_engine(root / "model", api_key=API_KEY, log_path=root / "server.log", weight_version="v0")
-    yield handle
-    handle.stop()
+    return cpu_engine(root / "model", api_key=API_KEY, log_path=root / "server.log", weight_version="v0")
 
 
 @pytest.fixture
