@@ -211,6 +211,71 @@ class EngineSettings:
     optimizer: OptimizerSettings | None
 
 
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """The episodes of `rollout.multi_turn`: `budget` response tokens over all turns (model and environment),
+    `max_tokens_per_turn` of one turn (None: the budget left), the reward of a truncated episode
+    (`on_truncation`: fixed = `truncation_reward`, or environment)."""
+
+    max_turns: int
+    budget: int
+    on_truncation: str
+    truncation_reward: float
+    max_tokens_per_turn: int | None
+
+
+@dataclass(frozen=True)
+class SandboxSettings:
+    """The tool sandbox: `workers` processes; per call `wall_s` and `cpu_s` seconds, `memory_mb` of address space,
+    `max_output_bytes` of output, `max_processes` processes, files of `max_file_mb`."""
+
+    workers: int
+    wall_s: float
+    cpu_s: int
+    memory_mb: int
+    max_output_bytes: int
+    max_processes: int
+    max_file_mb: int
+
+
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """`rollout.multi_turn` resolved: the environment (registered name or Python path) and its keyword
+    options, the tools, the tool-call format, the longest tool or environment message in tokens, the
+    sandbox, and how episodes run."""
+
+    environment: str
+    environment_options: dict[str, Any]
+    tools: tuple[str, ...]
+    tool_call_format: str
+    max_tool_response_tokens: int
+    sandbox: SandboxSettings
+    episodes: EpisodeSettings
+
+
+def multi_turn_settings(recipe: Recipe) -> MultiTurnSettings | None:
+    """The run's multi-turn settings, or None when every rollout is one response. The budget of all turns of an
+    episode is `data.max_response_length`."""
+    multi_turn = recipe.rollout.multi_turn
+    if multi_turn is None:
+        return None
+    sandbox = multi_turn.sandbox
+    return MultiTurnSettings(
+        environment=multi_turn.environment,
+        environment_options=dict(multi_turn.environment_options),
+        tools=tuple(multi_turn.tools),
+        tool_call_format=multi_turn.tool_call_format,
+        max_tool_response_tokens=multi_turn.max_tool_response_tokens,
+        sandbox=SandboxSettings(workers=sandbox.workers, wall_s=sandbox.wall_s, cpu_s=sandbox.cpu_s,
+                                memory_mb=sandbox.memory_mb, max_output_bytes=sandbox.max_output_bytes,
+                                max_processes=sandbox.max_processes, max_file_mb=sandbox.max_file_mb),
+        episodes=EpisodeSettings(max_turns=multi_turn.max_turns, budget=recipe.data.max_response_length,
+                                 on_truncation=multi_turn.on_truncation,
+                                 truncation_reward=multi_turn.truncation_reward,
+                                 max_tokens_per_turn=multi_turn.max_tokens_per_turn),
+    )
+
+
 def _updates_per_step(recipe: Recipe, section) -> int:
     samples = recipe.data.train_batch_size * recipe.rollout.n
     return section.ppo_epochs * (samples // section.ppo_mini_batch_size)
