@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megarl.cluster.worker_group import WorkerGroup
-from megarl.config.settings import Batching, OptimizerSettings, WeightSyncSettings
+from megarl.config.settings import Batching, LoraSettings, OptimizerSettings, WeightSyncSettings
 from megarl.ports import free_port
 from megarl.protocol import Batch
 
@@ -45,6 +45,7 @@ class MegatronWorker:
             _redirect_output(log_path)
         self.engine = None  # a TrainEngine once init_engine ran
         self._weight_sync = None
+        self._adapter_sync = None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     def master_endpoint(self) -> tuple[str, int]:
@@ -55,9 +56,10 @@ class MegatronWorker:
 
     def init_engine(self, *, kind: str, master_addr: str, master_port: int, parallel: dict, hf_config: dict,
                     weights: str | None, seed: int, params_dtype: str, transformer_impl: str,
-                    optimizer: OptimizerSettings | None) -> None:
+                    optimizer: OptimizerSettings | None, lora_settings: LoraSettings | None = None) -> None:
         """Join the engine's process group and build its `kind` engine ("policy": actor or, without an
-        optimizer, the frozen reference; "value": the critic; "reward": the reward model)."""
+        optimizer, the frozen reference; "value": the critic; "reward": the reward model); `lora_settings`: a
+        policy of LoRA adapters on a frozen base."""
         from megarl.engines.distributed import init_distributed
 
         if kind not in ENGINE_KINDS:
@@ -70,7 +72,7 @@ class MegatronWorker:
         if kind == "policy":
             from megarl.engines.actor import PolicyEngine
 
-            self.engine = PolicyEngine(**common)
+            self.engine = PolicyEngine(**common, lora_settings=lora_settings)
         elif kind == "value":
             from megarl.engines.critic import ValueEngine
 
@@ -90,9 +92,10 @@ class MegatronWorker:
         return result if self.parallel_layout()["is_output"] else None
 
     def compute_log_prob(self, shard: Batch, *, key: str, temperature: float, with_entropy: bool,
-                         batching: Batching) -> Batch | None:
+                         batching: Batching, adapters: bool = True) -> Batch | None:
+        """Log-probs (and entropy) of this rank's rows under `key`; `adapters=False`: a LoRA policy's base model."""
         log_probs, entropy = self.engine.compute_log_prob(shard, temperature=temperature, with_entropy=with_entropy,
-                                                          batching=batching)
+                                                          batching=batching, adapters=adapters)
         out = {key: log_probs, **({"entropy": entropy} if with_entropy else {})}
         return self._output(Batch.from_dict(out))
 
@@ -151,12 +154,19 @@ class MegatronWorker:
         from megarl.engines.distributed import parallel_layout
         from megarl.weightsync.engine_sync import EngineWeightSync
         from megarl.weightsync.groups import RankCoords
+        from megarl.weightsync.lora_sync import AdapterSync
 
+        coords = RankCoords.from_layout(parallel_layout())
+        adapters = self.engine.adapter_shards() if settings.lora == "adapter" else None
+        if adapters is not None:  # a LoRA policy's adapters alone (`weight_sync.lora: adapter`)
+            if self._adapter_sync is None:
+                self._adapter_sync = AdapterSync()
+            return self._adapter_sync.push(adapters, coords=coords, urls=urls, api_key=api_key, version=version,
+                                           settings=settings)
         if self._weight_sync is None:
             self._weight_sync = EngineWeightSync()
-        return self._weight_sync.push(self.engine.weight_shards(), coords=RankCoords.from_layout(parallel_layout()),
-                                      urls=urls, api_key=api_key, version=version, settings=settings,
-                                      server_devices=devices)
+        return self._weight_sync.push(self.engine.weight_shards(), coords=coords, urls=urls, api_key=api_key,
+                                      version=version, settings=settings, server_devices=devices)
 
     def close_weight_sync(self) -> None:
         """Leave the servers' weight-update groups and close the sync clients (before the servers stop)."""
@@ -167,12 +177,12 @@ class MegatronWorker:
 
 def start_engine_group(pool, *, name: str, kind: str, parallel: dict, hf_config: dict, weights: str | None, seed: int,
                        params_dtype: str, transformer_impl: str, optimizer: OptimizerSettings | None,
-                       log_dir: Path | None) -> WorkerGroup:
+                       log_dir: Path | None, lora_settings: LoraSettings | None = None) -> WorkerGroup:
     """`pool.world_size` ranks hosting one engine of `kind` (see `MegatronWorker.init_engine`); each rank's
     output goes to `<log_dir>/<name>-<rank>.log`."""
     group = WorkerGroup(MegatronWorker, pool, name=name, log_dir=log_dir)
     master_addr, master_port = group.run_rank(0, MegatronWorker.master_endpoint)
     group.run(MegatronWorker.init_engine, kind=kind, master_addr=master_addr, master_port=master_port, parallel=parallel,
               hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype,
-              transformer_impl=transformer_impl, optimizer=optimizer)
+              transformer_impl=transformer_impl, optimizer=optimizer, lora_settings=lora_settings)
     return group

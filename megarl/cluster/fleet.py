@@ -14,6 +14,7 @@ from typing import Any
 
 from megarl.cluster.placement import ResourcePool
 from megarl.config import Recipe
+from megarl.models.lora import HF_LINEARS as LORA_HF_LINEARS
 from megarl.rollout.fleet import RolloutFleet
 from megarl.rollout.server_host import HostPlacement, ServerSpec
 
@@ -38,6 +39,7 @@ def start_rollout_fleet(
         mem_fraction=rollout.mem_fraction,
         sglang_args=dict(rollout.sglang),
         enable_memory_saver=sleeps_between_phases(recipe),
+        **_lora_serving(recipe),
     )
     return RolloutFleet(
         spec,
@@ -55,7 +57,23 @@ def start_rollout_fleet(
         use_ray=True,
         startup_timeout_s=rollout.startup_timeout_s,
         placements=host_placements(pool, num_servers=rollout.num_servers, tp=rollout.tp),
+        lora_adapters=adapter_sync(recipe),
     )
+
+
+def adapter_sync(recipe: Recipe) -> bool:
+    """Whether weight syncs load the actor's LoRA adapters alone, which every generation then names."""
+    return recipe.actor.lora is not None and recipe.weight_sync.lora == "adapter"
+
+
+def _lora_serving(recipe: Recipe) -> dict[str, Any]:
+    """The servers' LoRA flags for an adapter-only sync: the adapters' rank and HF target modules."""
+    if not adapter_sync(recipe):
+        return {}
+    lora = recipe.actor.lora
+    return {"lora_max_rank": lora.rank,
+            "lora_target_modules": tuple(sorted(linear for target in lora.target_modules
+                                                for linear in LORA_HF_LINEARS[target]))}
 
 
 def start_judge_fleet(recipe: Recipe, *, pool: ResourcePool, tokenizer: Any, api_key: str,

@@ -159,10 +159,10 @@ def save_step(roles, run_dir: Path, *, step: int, controller_state: dict, recipe
         roles.critic.group.run(MegatronWorker.save_checkpoint, str(tmp / "critic"), weights_only=weights_only)
         saved_roles.append("critic")
     reused: dict[str, str] = {}
-    if roles.reference is not None:
+    if roles.reference_engine is not None:  # a LoRA actor's reference is its base: nothing of its own to save
         source = next((c for c in reversed(previous) if "reference" in c.roles), None)
         if source is None:
-            roles.reference.group.run(MegatronWorker.save_checkpoint, str(tmp / "reference"))
+            roles.reference_engine.group.run(MegatronWorker.save_checkpoint, str(tmp / "reference"))
         else:
             _link_tree(source.path / "reference", tmp / "reference")
             reused = {name: digest for name, digest in source.marker["files"].items()
@@ -195,5 +195,6 @@ def load_step(roles, checkpoint: StepCheckpoint) -> None:
     roles.actor.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "actor"), load_optimizer=with_optimizer)
     if roles.critic is not None:
         roles.critic.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "critic"), load_optimizer=with_optimizer)
-    if roles.reference is not None:
-        roles.reference.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "reference"), load_optimizer=False)
+    if roles.reference_engine is not None:
+        roles.reference_engine.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "reference"),
+                                         load_optimizer=False)

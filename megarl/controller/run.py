@@ -27,6 +27,7 @@ from megarl.config import Recipe, dump_recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
     logprob_batching,
+    lora_settings,
     optimizer_settings,
     policy_update_settings,
     value_update_settings,
@@ -49,11 +50,12 @@ from megarl.tracking.wandb_sink import WandbSink
 
 
 def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,
-                  optimizer, log_dir: Path) -> WorkerGroup:
-    """`pool.world_size` ranks hosting one engine of `kind` ("policy" or "value")."""
+                  optimizer, log_dir: Path, lora=None) -> WorkerGroup:
+    """`pool.world_size` ranks hosting one engine of `kind` ("policy" or "value"; `lora`: LoRA adapters)."""
     return start_engine_group(pool, name=name, kind=kind, parallel=parallel.model_dump(), hf_config=hf_config,
                               weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
-                              transformer_impl=recipe.model.transformer_impl, optimizer=optimizer, log_dir=log_dir)
+                              transformer_impl=recipe.model.transformer_impl, optimizer=optimizer, log_dir=log_dir,
+                              lora_settings=lora)
 
 
 def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
@@ -62,13 +64,16 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
     weight sync; registers their teardown."""
     for pool in set(pools.values()):
         cleanup.callback(pool.release)
-    hf_config, log_dir = recipe.model.hf_config(), run_dir / "logs"
+    hf_config, log_dir, lora = recipe.model.hf_config(), run_dir / "logs", lora_settings(recipe)
     actor_group = _engine_group(recipe, pools["actor"], name="actor", kind="policy", parallel=recipe.actor.parallel,
                                 hf_config=hf_config, weights=weights, optimizer=optimizer_settings(recipe, "actor"),
-                                log_dir=log_dir)
+                                log_dir=log_dir, lora=lora)
     cleanup.callback(actor_group.kill)
     actor = PolicyRole(actor_group, batching=logprob_batching(recipe), update=policy_update_settings(recipe))
     reference = None
+    if lora is not None and (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss):
+        # No reference engine: the reference policy is the actor's frozen base, its adapters switched off.
+        reference = PolicyRole(actor_group, batching=logprob_batching(recipe), adapters=False)
     if "reference" in pools:
         ref_group = _engine_group(recipe, pools["reference"], name="reference", kind="policy",
                                   parallel=recipe.reference.parallel, hf_config=hf_config, weights=weights,
@@ -114,7 +119,7 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
     cleanup.callback(actor_group.run, MegatronWorker.close_weight_sync)
     reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
                                api_key=api_key, run_dir=run_dir, cleanup=cleanup)
-    idle = [role.group for role in (reference, critic) if role is not None]
+    idle = [role.group for role in (reference, critic) if role is not None and role.group is not actor_group]
     memory = MemoryCycle(fleet, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
     roles = Roles(actor=actor, rollout=fleet, reward=reward, memory=memory, reference=reference, critic=critic,
                   kl_ctrl=data.kl_ctrl)

@@ -51,15 +51,18 @@ def sample_seed(seed: int, row: int) -> int:
     return (seed * SEED_STRIDE + row) % SEED_MODULUS
 
 
-def group_body(prompt: list[int], rows: list[int], *, sampling: dict[str, Any], seed: int | None) -> dict[str, Any]:
-    """One `/generate` body for `rows` (all with `prompt`): a batch of copies, each with its row's seed."""
+def group_body(prompt: list[int], rows: list[int], *, sampling: dict[str, Any], seed: int | None,
+               lora_path: str | None = None) -> dict[str, Any]:
+    """One `/generate` body for `rows` (all with `prompt`): a batch of copies, each with its row's seed; with
+    `lora_path`, every copy generates with that LoRA adapter."""
     params = [dict(sampling) for _ in rows]
     if seed is not None:
         for item, row in zip(params, rows):
             item["sampling_seed"] = sample_seed(seed, row)
+    adapter = {"lora_path": lora_path} if lora_path is not None else {}
     if len(rows) == 1:
-        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": True}
-    return {"input_ids": [list(prompt)] * len(rows), "sampling_params": params, "return_logprob": True}
+        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": True, **adapter}
+    return {"input_ids": [list(prompt)] * len(rows), "sampling_params": params, "return_logprob": True, **adapter}
 
 
 def is_retryable(error: RolloutError) -> bool:
@@ -76,6 +79,7 @@ async def generate_rows(
     request: Request,
     max_attempts: int,
     on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
+    lora_path: str | None = None,
 ) -> list[GenerationResult]:
     """One result per prompt row, in row order; `groups` partition the rows into shared-prompt requests.
 
@@ -92,7 +96,7 @@ async def generate_rows(
         pending, attempt = list(rows), 0
         while pending:
             attempt += 1
-            body = group_body(prompts[pending[0]], pending, sampling=sampling, seed=seed)
+            body = group_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, lora_path=lora_path)
             target = await targets.acquire()
             try:
                 reply = await request(target.url, "POST", "/generate", body)

@@ -65,6 +65,7 @@ from megarl.rollout.server_host import (
     start_hosts,
 )
 from megarl.rollout.sglang_launcher import passthrough_args
+from megarl.rollout.weight_wire import lora_adapter_name
 
 # push(urls=[...], version=v) loads the trainer's current weights into those servers under version v;
 # on GPUs it also gets devices=[per server, the UUID of each TP rank's GPU] (the tensor transport needs them).
@@ -105,6 +106,7 @@ class RolloutFleet:
         startup_timeout_s: float = 900.0,
         max_restarts: int = 2,
         max_attempts: int = 4,
+        lora_adapters: bool = False,
     ):
         if routing not in ("client", "router"):
             raise ValueError(f"routing must be 'client' or 'router', got {routing!r}")
@@ -121,6 +123,8 @@ class RolloutFleet:
         if ignore_eos:  # every response max_response_length tokens long (SGLang ignores the stop tokens too)
             self.sampling["ignore_eos"] = True
         self.seed, self.max_concurrency = seed, max_concurrency
+        # Adapter-only weight sync: each sync loads the version's LoRA adapter, which every generation names.
+        self.lora_adapters = lora_adapters
         self.max_restarts, self.max_attempts, self.startup_timeout_s = max_restarts, max_attempts, startup_timeout_s
         self._weight_lock = threading.Lock()
         self._source: WeightSource | str | Path | None = None
@@ -184,6 +188,7 @@ class RolloutFleet:
             self._generation = self._client.submit(self._generate_rows(
                 prompts, groups, sampling={**self.sampling, "temperature": temperature},
                 seed=self.seed * 100_003 + seed, on_rows=on_rows,
+                lora_path=lora_adapter_name(self._version) if self.lora_adapters else None,
             ))
         try:
             results = self._generation.result()
@@ -202,13 +207,14 @@ class RolloutFleet:
 
     async def _generate_rows(
         self, prompts: list[list[int]], groups: list[list[int]], *, sampling: dict[str, Any], seed: int,
-        on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
+        on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None, lora_path: str | None = None,
     ) -> list[GenerationResult]:
         # Checks before and after: a server may have died while idle, and the router
         # re-sends a dead worker's requests itself, so only a check can see that death.
         await self._check_all()
         results = await generate_rows(prompts, groups, sampling=sampling, seed=seed, targets=self,
-                                      request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows)
+                                      request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows,
+                                      lora_path=lora_path)
         await self._check_all()
         return results
 

@@ -92,19 +92,30 @@ def cpu_engine_command(
     health_check_timeout_s: float | None = None,
     weight_update_group_timeout_s: float | None = None,
     max_request_bytes: int | None = None,
+    enable_lora: bool = False,
+    max_lora_rank: int | None = None,
+    lora_target_modules: list[str] | None = None,
+    lora_paths: list[str] | None = None,
+    max_loras_per_batch: int | None = None,
+    max_loaded_loras: int | None = None,
 ) -> list[str]:
-    """The argv that runs one CPU engine server."""
+    """The argv that runs one CPU engine server (LoRA flags as SGLang's)."""
     command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
     command += ["--log-level", log_level]
     optional = {"--api-key": api_key, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
                 "--seed": seed, "--dtype": dtype, "--health-check-timeout-s": health_check_timeout_s,
                 "--weight-update-group-timeout-s": weight_update_group_timeout_s,
-                "--max-request-bytes": max_request_bytes}
+                "--max-request-bytes": max_request_bytes, "--max-lora-rank": max_lora_rank,
+                "--max-loras-per-batch": max_loras_per_batch, "--max-loaded-loras": max_loaded_loras}
     for flag, value in optional.items():
         if value is not None:
             command += [flag, str(value)]
-    switches = {"--enable-memory-saver": enable_memory_saver, "--enable-weights-cpu-backup": enable_weights_cpu_backup}
+    for flag, values in (("--lora-target-modules", lora_target_modules), ("--lora-paths", lora_paths)):
+        if values:
+            command += [flag, *map(str, values)]
+    switches = {"--enable-memory-saver": enable_memory_saver, "--enable-weights-cpu-backup": enable_weights_cpu_backup,
+                "--enable-lora": enable_lora}
     return command + [flag for flag, on in switches.items() if on]
 
 

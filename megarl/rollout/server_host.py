@@ -49,6 +49,9 @@ class ServerSpec:
     enable_memory_saver: bool = False  # allow /release_memory_occupation (colocated GPUs)
     enable_weights_cpu_backup: bool = False  # resumed weights come back from a host copy
     seed: int | None = None
+    # LoRA serving (`--enable-lora`): the largest adapter rank and the HF modules adapters may target
+    lora_max_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -174,6 +177,8 @@ class ServerHost:
                 spec.model_path, host=self.address, port=self.port, api_key=spec.api_key, threads=spec.threads,
                 tokenizer_path=spec.tokenizer_path, weight_version=spec.weight_version, seed=spec.seed,
                 enable_memory_saver=spec.enable_memory_saver, enable_weights_cpu_backup=spec.enable_weights_cpu_backup,
+                enable_lora=spec.lora_max_rank is not None, max_lora_rank=spec.lora_max_rank,
+                lora_target_modules=list(spec.lora_target_modules) or None,
             )
             # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
             return command, {"OMP_NUM_THREADS": str(spec.threads)}
@@ -182,6 +187,7 @@ class ServerHost:
             mem_fraction_static=spec.mem_fraction, api_key=spec.api_key, weight_version=spec.weight_version,
             skip_tokenizer_init=spec.skip_tokenizer_init, enable_memory_saver=spec.enable_memory_saver,
             enable_weights_cpu_backup=spec.enable_weights_cpu_backup, extra=spec.sglang_args,
+            lora_max_rank=spec.lora_max_rank, lora_target_modules=spec.lora_target_modules,
         )
         env = {} if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in self.gpu_ids)}
         return command, env

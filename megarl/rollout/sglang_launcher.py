@@ -83,8 +83,11 @@ def sglang_server_argv(
     enable_weights_cpu_backup: bool = False,
     extra: dict[str, Any] | None = None,
     python: str = sys.executable,
+    lora_max_rank: int | None = None,
+    lora_target_modules: tuple[str, ...] = (),
 ) -> list[str]:
-    """The full argv: megarl's arguments first, then the pass-through block."""
+    """The full argv: megarl's arguments first, then the pass-through block. `lora_max_rank`: serve LoRA adapters
+    of at most that rank on `lora_target_modules` (SGLang needs both to load adapters at run time)."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path)]
     argv += ["--tp-size", str(tp_size), "--mem-fraction-static", _scalar(mem_fraction_static)]
     argv += ["--host", host, "--port", str(port)]
@@ -98,6 +101,8 @@ def sglang_server_argv(
         argv.append("--enable-memory-saver")
     if enable_weights_cpu_backup:
         argv.append("--enable-weights-cpu-backup")
+    if lora_max_rank is not None:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_max_rank), "--lora-target-modules", *lora_target_modules]
     return argv + passthrough_args(extra or {})
 
 

@@ -22,7 +22,8 @@ engine accepts is exactly what real SGLang 0.5.23 accepts:
   `cuda:0` under Ray and the server's `cuda:0` are different GPUs. Pickling swaps
   index for UUID in a private dispatch table (no global patch); unpickling maps the
   UUID back to a local index (`device_index_for_uuid`).
-- Per-tensor digests (`tensor_digest`) for `weight_sync.verify: checksum`.
+- Per-tensor digests (`tensor_digest`) for `weight_sync.verify: checksum` and a LoRA adapter's
+  `expected_checksums`; the name of the adapter a weight version loads (`lora_adapter_name`).
 - Weight-update groups: `new_update_group` is SGLang's `init_custom_process_group`
   rendezvous (TCP store at the trainer, `PrefixStore(group_name)`, a group outside
   the default one) for both the trainer (rank 0) and each server TP rank.
@@ -243,6 +244,12 @@ def deserialize_named_tensors(serialized: str | bytes, *, load_format: str | Non
 
 
 # ---- digests -----------------------------------------------------------------------------------
+
+def lora_adapter_name(version: object) -> str:
+    """The name a LoRA adapter pushed under weight version `version` is loaded as (adapter-only sync), which
+    every generation then names as its `lora_path`."""
+    return f"megarl-v{version}"
+
 
 DIGEST_ALGORITHM = "blake2b-128 over float32-widened little-endian bytes and the shape"
 

@@ -11,6 +11,7 @@ import torch
 import uvicorn
 
 from megarl.rollout.cpu_engine.engine import EngineArgs
+from megarl.rollout.cpu_engine.lora import check_lora_args
 from megarl.rollout.cpu_engine.weights import DTYPES
 from megarl.rollout.cpu_engine.http_server import build_app
 
@@ -42,8 +43,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how long joining or receiving from a weight-update group may take")
     parser.add_argument("--max-request-bytes", type=int, default=64 << 20,
                         help="largest request body; a larger one gets 413 before it is read")
+    lora = parser.add_argument_group("LoRA serving (SGLang's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-paths)")
+    lora.add_argument("--lora-paths", nargs="*", default=None,
+                      help="adapters loaded at start: PATH | NAME=PATH | JSON {lora_name, lora_path, pinned}")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="largest rank a loaded adapter may have")
+    lora.add_argument("--lora-target-modules", nargs="*", default=None,
+                      help="modules adapters may target (q_proj ... down_proj, or all)")
+    lora.add_argument("--max-loras-per-batch", type=int, default=8,
+                      help="most adapters (the base model counting as one) in one running batch")
+    lora.add_argument("--max-loaded-loras", type=int, default=None,
+                      help="most adapters loaded; beyond it the least recently used unpinned one is unloaded")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     args = parser.parse_args(argv)
+    for problem in check_lora_args(enable_lora=args.enable_lora, lora_paths=args.lora_paths,
+                                   max_lora_rank=args.max_lora_rank, lora_target_modules=args.lora_target_modules,
+                                   max_loras_per_batch=args.max_loras_per_batch,
+                                   max_loaded_loras=args.max_loaded_loras):
+        parser.error(problem)
     if args.max_batch < 1 or args.threads < 1 or args.max_request_bytes < 1:
         parser.error("--max-batch, --threads and --max-request-bytes must be >= 1")
     if args.health_check_timeout_s <= 0 or args.weight_update_group_timeout_s <= 0:
