@@ -227,7 +227,7 @@ def lora_sync_pushes(*, rank: int, checkpoint: str, settings, versions: dict, ap
     for version, (adapters, targets) in versions.items():
         lora.load_full_adapters(worker.engine.model, adapters)
         for server, (url, sync, transport) in targets.items():
-            sync_settings = WeightSyncSettings(transport=transport, bucket_mb=0.05, verify="none", timeout_s=60,
+            sync_settings = WeightSyncSettings(transport=transport, bucket_bytes=50_000, verify="none", timeout_s=60,
                                                disk_dir=disk_dir, lora=sync)
             metrics[(version, server)] = worker.push_weights(urls=[url], api_key=api_key, version=version,
                                                              settings=sync_settings)

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _settings import sampling
 from _tiny import greedy_continuation
 from test_cpu_engine import (
     API_KEY,
@@ -308,7 +309,7 @@ def test_fleet_releases_and_resumes_its_servers_memory_around_a_sync(models, oth
     KV cache, generate. The fleet starts its servers with the memory saver when the spec says so."""
     spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path), api_key=API_KEY,
                       enable_memory_saver=True)
-    with RolloutFleet(spec, num_servers=1, max_response_length=4, pad_token_id=0, use_ray=False,
+    with RolloutFleet(spec, num_servers=1, pad_token_id=0, use_ray=False,
                       startup_timeout_s=120) as fleet:
         fleet.set_weight_source(str(models["other"]))
         fleet.release_memory()
@@ -318,7 +319,7 @@ def test_fleet_releases_and_resumes_its_servers_memory_around_a_sync(models, oth
         fleet.sync_weights(version=7)
         fleet.resume_memory(["kv_cache", "cuda_graph"])
         with RolloutClient(fleet.urls, api_key=API_KEY) as client:
-            result = client.generate([PROMPTS[2]], max_new_tokens=4, temperature=0.0, ignore_eos=True)[0]
+            result = client.generate([PROMPTS[2]], sampling(4, temperature=0.0, ignore_eos=True))[0]
         assert result.output_ids == greedy_continuation(other, PROMPTS[2], 4) and result.weight_version == "7"
         assert fleet.weight_version == "7"
 

@@ -154,7 +154,8 @@ def test_with_pad_equal_to_eos_the_score_is_read_before_the_trailing_eos(job):
     shared = rows["shared"]
     assert (shared["input_ids"][:, -1] == EOS).all()  # EOS-terminated rows: the pad = EOS case differs here
     # HF's rule for this checkpoint is not "the last attended token": a model pooling there scores otherwise.
-    model = AutoModelForSequenceClassification.from_pretrained(checkpoints["llama_pad_eos"], attn_implementation="eager")
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoints["llama_pad_eos"],
+                                                               attn_implementation="eager")
     with torch.no_grad():
         per_token = model.score(model.model(input_ids=shared["input_ids"], attention_mask=shared["attention_mask"],
                                             position_ids=shared["position_ids"]).last_hidden_state).squeeze(-1)

@@ -150,7 +150,8 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "LOSS_AGG_MODES",
-                                           "KL_PENALTIES", "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
+                                           "KL_PENALTIES", "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS",
+                                           "MODEL_SPECS"])
 def test_each_registry_loads_its_builtins_from_a_lower_layer(registry_name):
     import megarl.registry
 

@@ -162,6 +162,22 @@ def test_bad_configs_raise_input_error_naming_the_value():
     assert "'num_hidden_layers'" in text and "'hidden_size'" in text
     with pytest.raises(InputError, match="hidden_act='gelu'"):
         arch_from_hf({"model_type": "llama", **TINY, "hidden_act": "gelu"})
+    with pytest.raises(InputError, match="model_type=None is not supported"):
+        arch_from_hf(dict(TINY))
+
+
+def test_a_family_is_one_registry_entry():
+    from megarl.models.spec import ModelSpec
+    from megarl.registry import MODEL_SPECS
+
+    # A family that differs from Llama only in its name: registering its spec is all it takes.
+    MODEL_SPECS.add("tinyllama_test", ModelSpec("tinyllama_test", always_qkv_bias=True, qk_layernorm=False))
+    try:
+        arch = arch_from_hf({"model_type": "tinyllama_test", **TINY})
+        assert arch.model_type == "tinyllama_test" and arch.qkv_bias
+    finally:
+        MODEL_SPECS.remove("tinyllama_test")
+    assert MODEL_SPECS.names() == ["llama", "qwen2", "qwen3", "qwen3_moe"]
 
 
 MOE = dict(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _settings import sampling
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -90,8 +91,7 @@ def judge_fleet(tmp_path_factory):
     tokenizer.save_pretrained(path)
     spec = ServerSpec(backend="cpu", model_path=str(path), tokenizer_path=str(path),
                       log_dir=str(tmp_path_factory.mktemp("judge-logs")), api_key="judge-key")
-    fleet = RolloutFleet(spec, num_servers=1, max_response_length=1, pad_token_id=tokenizer.pad_token_id,
-                         stop_token_ids=[tokenizer.eos_token_id], use_ray=False)
+    fleet = RolloutFleet(spec, num_servers=1, pad_token_id=tokenizer.pad_token_id, use_ray=False)
     yield fleet, tokenizer
     fleet.shutdown()
 
@@ -117,7 +117,8 @@ def test_judge_fleet_verdicts_through_the_reward_loop(judge_fleet):
     # "7" is a readable grade in 0..10 and out of range in 0..5: a parse failure, scored 0 and counted.
     for score_range in ((0.0, 10.0), (0.0, 5.0)):
         judge = JudgeScorer(fleet, tokenizer, template=TEMPLATE, parser="last_number", score_range=score_range,
-                            fail_score=score_range[0], temperature=0.0)
+                            fail_score=score_range[0],
+                            sampling=sampling(1, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,)))
         loop = RewardLoop(manager=RewardManager(tokenizer, build_scorers()), tokenizer=tokenizer, combine="rm",
                           combine_options={}, model_side=ModelSide(judge=judge))
         batch, gen = _row_batches(tokenizer, 4)

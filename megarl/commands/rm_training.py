@@ -34,11 +34,7 @@ from megarl.cluster.ray_cluster import ray_for_run
 from megarl.commands.warmup import warmed_up_checkpoint
 from megarl.config import Recipe
 from megarl.config.schema import read_hf_config
-from megarl.config.settings import (
-    preference_update_settings,
-    reward_model_optimizer_settings,
-    reward_scoring_batching,
-)
+from megarl.config.settings import engine_settings, preference_update_settings, reward_scoring_batching
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.preflight import check_reward_model_training, prepare_run_dir
 from megarl.controller.roles import RewardModelRole
@@ -156,7 +152,7 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
         raise InputError(f"reward_model.train.mini_batch_size: larger than the {len(train_pairs)} training pairs "
                          f"(got {train.mini_batch_size})")
     total_steps = train.epochs * steps_per_epoch
-    dtype = rm.dtype or recipe.model.dtype
+    engine = engine_settings(recipe, "reward_model", train_pairs=len(train_pairs))
 
     with ExitStack() as cleanup:
         ray_for_run(cleanup, ray_address)
@@ -171,14 +167,12 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
             # The policy's warm-up code on the RL data's reference solutions, for a fixed number of steps.
             warmup = recipe.sft_warmup.model_copy(update={"steps": train.sft_steps, "stop_loss": None})
             warmed = warmed_up_checkpoint(recipe.model_copy(update={"sft_warmup": warmup}), pool=pool,
-                                          parallel=rm.parallel.model_dump(), weights=weights, hf_config=hf_config,
+                                          layout_of="reward_model", weights=weights, hf_config=hf_config,
                                           data=prepare_data(recipe, run_dir), tracker=tracker,
                                           out_dir=log_dir / "sft_backbone")
         # Trained with the pooling token the written checkpoint states (its pad id), so HF scores it alike.
-        group = start_engine_group(pool, name="reward_model", kind="reward", parallel=rm.parallel.model_dump(),
-                                   hf_config={**hf_config, "pad_token_id": inputs.pad_id}, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
-                                   transformer_impl=recipe.model.transformer_impl,
-                                   optimizer=reward_model_optimizer_settings(recipe, train_pairs=len(train_pairs)),
+        group = start_engine_group(pool, name="reward_model", settings=engine,
+                                   hf_config={**hf_config, "pad_token_id": inputs.pad_id}, weights=str(weights),
                                    log_dir=None)
         cleanup.callback(group.kill)
         if warmed is not None:
@@ -195,6 +189,6 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
                 if step == total_steps or (train.val_every and step % train.val_every == 0):
                     metrics.update(_validate(role, val_pairs))
                 tracker.log(step, metrics)
-        config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=dtype)
+        config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=engine.params_dtype)
         _write_reward_model(Path(rm.path).expanduser(), group, config, rm_tokenizer)
     return RewardModelResult(Path(rm.path).expanduser(), metrics["val/rm_accuracy"], step)

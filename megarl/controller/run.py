@@ -18,7 +18,7 @@ from pathlib import Path
 
 from megarl import atomic
 from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
-from megarl.cluster.fleet import sleeps_between_phases, start_rollout_fleet
+from megarl.cluster.fleet import start_fleet
 from megarl.cluster.memory import MemoryCycle
 from megarl.cluster.placement import plan_pools, total_devices
 from megarl.cluster.ray_cluster import ray_for_run
@@ -26,10 +26,15 @@ from megarl.cluster.worker_group import WorkerGroup
 from megarl.config import Recipe, dump_recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
+    SamplingSettings,
+    engine_settings,
     logprob_batching,
-    lora_settings,
-    optimizer_settings,
     policy_update_settings,
+    rollout_fleet_settings,
+    rollout_sampling,
+    sleeps_between_phases,
+    step_settings,
+    validation_sampling,
     value_update_settings,
     weight_sync_settings,
 )
@@ -43,51 +48,47 @@ from megarl.controller.resume import resume_or_start
 from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
-from megarl.controller.step import StepSettings, Trainer
+from megarl.controller.step import Trainer
 from megarl.errors import InputError
 from megarl.tracking.tracker import Tracker, controller_log
 from megarl.tracking.wandb_sink import WandbSink
 
 
-def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,
-                  optimizer, log_dir: Path, lora=None) -> WorkerGroup:
-    """`pool.world_size` ranks hosting one engine of `kind` ("policy" or "value"; `lora`: LoRA adapters)."""
-    return start_engine_group(pool, name=name, kind=kind, parallel=parallel.model_dump(), hf_config=hf_config,
-                              weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
-                              transformer_impl=recipe.model.transformer_impl, optimizer=optimizer, log_dir=log_dir,
-                              lora_settings=lora)
+def _engine_group(recipe: Recipe, role: str, pool, *, hf_config: dict, weights: Path, log_dir: Path) -> WorkerGroup:
+    """`pool.world_size` ranks hosting the engine of `role` (`engine_settings`), named after the role."""
+    return start_engine_group(pool, name=role, settings=engine_settings(recipe, role), hf_config=hf_config,
+                              weights=str(weights), log_dir=log_dir)
 
 
-def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
-                 cleanup: ExitStack, resume_from: StepCheckpoint | None, preemption: Preemption) -> Roles:
+def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: SamplingSettings, run_dir: Path,
+                 tracker: Tracker, cleanup: ExitStack, resume_from: StepCheckpoint | None,
+                 preemption: Preemption) -> Roles:
     """Worker groups, the SFT warm-up (fresh runs) or the checkpoint (resumed runs), the fleet and the first
     weight sync; registers their teardown."""
     for pool in set(pools.values()):
         cleanup.callback(pool.release)
-    hf_config, log_dir, lora = recipe.model.hf_config(), run_dir / "logs", lora_settings(recipe)
-    actor_group = _engine_group(recipe, pools["actor"], name="actor", kind="policy", parallel=recipe.actor.parallel,
-                                hf_config=hf_config, weights=weights, optimizer=optimizer_settings(recipe, "actor"),
-                                log_dir=log_dir, lora=lora)
+    hf_config, log_dir = recipe.model.hf_config(), run_dir / "logs"
+    actor_group = _engine_group(recipe, "actor", pools["actor"], hf_config=hf_config, weights=weights,
+                                log_dir=log_dir)
     cleanup.callback(actor_group.kill)
-    actor = PolicyRole(actor_group, batching=logprob_batching(recipe), update=policy_update_settings(recipe))
+    actor = PolicyRole(actor_group, batching=logprob_batching(recipe),
+                       update=policy_update_settings(recipe, sampling=sampling))
     reference = None
-    if lora is not None and (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss):
+    if recipe.actor.lora is not None and (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss):
         # No reference engine: the reference policy is the actor's frozen base, its adapters switched off.
         reference = PolicyRole(actor_group, batching=logprob_batching(recipe), adapters=False)
     if "reference" in pools:
-        ref_group = _engine_group(recipe, pools["reference"], name="reference", kind="policy",
-                                  parallel=recipe.reference.parallel, hf_config=hf_config, weights=weights,
-                                  optimizer=None, log_dir=log_dir)
+        ref_group = _engine_group(recipe, "reference", pools["reference"], hf_config=hf_config, weights=weights,
+                                  log_dir=log_dir)
         cleanup.callback(ref_group.kill)
         reference = PolicyRole(ref_group, batching=logprob_batching(recipe))
     critic = None
     if recipe.critic is not None:
         critic_path = recipe.critic.model_path
         critic_group = _engine_group(
-            recipe, pools["critic"], name="critic", kind="value", parallel=recipe.critic.parallel,
+            recipe, "critic", pools["critic"],
             hf_config=read_hf_config(critic_path, key="critic.model_path") if critic_path else hf_config,
-            weights=Path(critic_path) if critic_path else weights, optimizer=optimizer_settings(recipe, "critic"),
-            log_dir=log_dir,
+            weights=Path(critic_path) if critic_path else weights, log_dir=log_dir,
         )
         cleanup.callback(critic_group.kill)
         critic = CriticRole(critic_group, update=value_update_settings(recipe))
@@ -109,8 +110,8 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, t
                 group.run(MegatronWorker.load_policy_checkpoint, str(handoff))
             shutil.rmtree(handoff)
     api_key = secrets.token_hex(16)
-    fleet = start_rollout_fleet(recipe, pool=pools["rollout"], weights=weights, tokenizer=data.tokenizer,
-                                api_key=api_key, log_dir=log_dir)
+    fleet = start_fleet(rollout_fleet_settings(recipe), pool=pools["rollout"], weights=weights,
+                        pad_token_id=data.tokenizer.pad_token_id, api_key=api_key, log_dir=log_dir)
     cleanup.callback(fleet.shutdown)
     # The fleet re-pushes the actor's current weights to a server it had to restart.
     fleet.set_weight_source(partial(actor.push_weights, api_key=api_key,
@@ -177,31 +178,16 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
         # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
         preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
         pools = plan_pools(recipe)
-        roles = _start_roles(recipe, pools=pools, weights=weights, data=data, run_dir=run_dir, tracker=tracker,
-                             cleanup=cleanup, resume_from=resume_from, preemption=preemption)
+        eos = data.tokenizer.eos_token_id
+        sampling = rollout_sampling(recipe, eos_token_id=eos)
+        roles = _start_roles(recipe, pools=pools, weights=weights, data=data, sampling=sampling, run_dir=run_dir,
+                             tracker=tracker, cleanup=cleanup, resume_from=resume_from, preemption=preemption)
         preemption.on_request(roles.rollout.stop_generating)
-        trainer = Trainer(roles, _step_settings(recipe, total_devices(pools)),
+        trainer = Trainer(roles, step_settings(recipe, sampling=sampling, num_devices=total_devices(pools)),
                           stop_requested=lambda: preemption.requested, on_phase=on_phase)
         loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
-                        preemption=preemption, newest=resume_from)
+                        preemption=preemption, newest=resume_from,
+                        val_sampling=validation_sampling(recipe, eos_token_id=eos))
         loop.run(start_step)
     return run_dir
 
-
-def _step_settings(recipe: Recipe, num_devices: int) -> StepSettings:
-    algo = recipe.algorithm
-    return StepSettings(
-        rollout_n=recipe.rollout.n,
-        temperature=recipe.rollout.temperature,
-        max_prompt_length=recipe.data.max_prompt_length,
-        max_response_length=recipe.data.max_response_length,
-        adv_estimator=algo.adv_estimator,
-        gamma=algo.gamma,
-        lam=algo.lam,
-        norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
-        use_kl_in_reward=algo.use_kl_in_reward,
-        kl_penalty=algo.kl_penalty,
-        balance_batch=recipe.trainer.balance_batch,
-        critic_warmup=recipe.critic.warmup_steps if recipe.critic else 0,
-        num_devices=num_devices,
-    )

@@ -1,7 +1,8 @@
 """Architecture specs: which HF decoder families megarl supports and their dimensions.
 
-A registry keyed by the HF config's explicit `model_type` (never a substring of a
-model name) says how each family differs from plain Llama: Qwen2 always has a QKV
+A registry (`megarl.registry.MODEL_SPECS`) keyed by the HF config's explicit
+`model_type` (never a substring of a model name) says how each family differs from
+plain Llama: Qwen2 always has a QKV
 bias, Qwen3 RMS-normalises q and k per head, Qwen3-MoE is Qwen3 with a top-k routed
 mixture of experts in place of every MLP. `arch_from_hf` turns an HF config dict
 into an `Arch` (the dimensions every layout map and the engine builder use) and
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.errors import InputError
+from megarl.registry import MODEL_SPECS
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,13 @@ class ModelSpec:
     moe: bool = False
 
 
-MODEL_SPECS: dict[str, ModelSpec] = {
-    "llama": ModelSpec("llama", always_qkv_bias=False, qk_layernorm=False),
-    "qwen2": ModelSpec("qwen2", always_qkv_bias=True, qk_layernorm=False),
-    "qwen3": ModelSpec("qwen3", always_qkv_bias=False, qk_layernorm=True),
-    "qwen3_moe": ModelSpec("qwen3_moe", always_qkv_bias=False, qk_layernorm=True, moe=True),
-}
+for _spec in (
+    ModelSpec("llama", always_qkv_bias=False, qk_layernorm=False),
+    ModelSpec("qwen2", always_qkv_bias=True, qk_layernorm=False),
+    ModelSpec("qwen3", always_qkv_bias=False, qk_layernorm=True),
+    ModelSpec("qwen3_moe", always_qkv_bias=False, qk_layernorm=True, moe=True),
+):
+    MODEL_SPECS.add(_spec.model_type, _spec)
 
 # Megatron's RotaryEmbedding hard-codes these Llama-3 scaling constants.
 _LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -78,11 +81,11 @@ class Arch:
 def get_spec(hf_config: dict) -> ModelSpec:
     """The registered spec for `hf_config["model_type"]`; InputError for anything else."""
     model_type = hf_config.get("model_type")
-    if model_type not in MODEL_SPECS:
+    if not isinstance(model_type, str) or model_type not in MODEL_SPECS:
         raise InputError(
-            f"model config: model_type={model_type!r} is not supported; known: {', '.join(sorted(MODEL_SPECS))}"
+            f"model config: model_type={model_type!r} is not supported; known: {', '.join(MODEL_SPECS.names())}"
         )
-    return MODEL_SPECS[model_type]
+    return MODEL_SPECS.get(model_type).target
 
 
 def _rope(hf_config: dict) -> tuple[float, float | None]:

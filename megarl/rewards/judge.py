@@ -3,8 +3,9 @@
 A parser is `parser(text) -> float | None`; None means the verdict holds no score.
 Parsers are registered by name in `megarl.registry.JUDGE_PARSERS`
 (`reward.judge.parser`): `score_tag` (the default), `last_number`, `fraction`,
-`yes_no`. A fraction is never read as one of its numbers: only `fraction` reads it. `read_verdicts` applies one to a batch of verdicts and
-keeps failures visible: a verdict without a score, or with one outside the judge's
+`yes_no`. A fraction is never read as one of its numbers: only `fraction` reads
+it. `read_verdicts` applies one to a batch of verdicts and keeps failures
+visible: a verdict without a score, or with one outside the judge's
 `score_range`, gets `fail_score` and is counted; it is never a silent 0.
 """
 

@@ -10,8 +10,8 @@ answer is the request's fault and fails the call at once. Each row's result is
 stored once; the attempts per request are bounded.
 
 Every row has its own sampling seed derived from the call's seed and the row
-index (the client's formula), so a retried sample on another server is the
-same sample.
+index (`megarl.rollout.sampling`, the client's bodies too), so a retried sample on
+another server is the same sample.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable, Protocol
 
-from megarl.rollout.client import SEED_MODULUS, SEED_STRIDE, RolloutError
+from megarl.config.settings import SamplingSettings
+from megarl.rollout.client import RolloutError
 from megarl.rollout.results import GenerationResult, parse_output
+from megarl.rollout.sampling import generate_body
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
@@ -46,25 +48,6 @@ class Targets(Protocol):
         """A request to `target` failed as unreachable/5xx: check it (and restart it if it is dead)."""
 
 
-def sample_seed(seed: int, row: int) -> int:
-    """The sampling seed of row `row` (equal to RolloutClient's seed of prompt `row` with n=1)."""
-    return (seed * SEED_STRIDE + row) % SEED_MODULUS
-
-
-def group_body(prompt: list[int], rows: list[int], *, sampling: dict[str, Any], seed: int | None,
-               lora_path: str | None = None) -> dict[str, Any]:
-    """One `/generate` body for `rows` (all with `prompt`): a batch of copies, each with its row's seed; with
-    `lora_path`, every copy generates with that LoRA adapter."""
-    params = [dict(sampling) for _ in rows]
-    if seed is not None:
-        for item, row in zip(params, rows):
-            item["sampling_seed"] = sample_seed(seed, row)
-    adapter = {"lora_path": lora_path} if lora_path is not None else {}
-    if len(rows) == 1:
-        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": True, **adapter}
-    return {"input_ids": [list(prompt)] * len(rows), "sampling_params": params, "return_logprob": True, **adapter}
-
-
 def is_retryable(error: RolloutError) -> bool:
     return error.status is None or error.status in RETRYABLE_STATUS
 
@@ -73,7 +56,7 @@ async def generate_rows(
     prompts: list[list[int]],
     groups: list[list[int]],
     *,
-    sampling: dict[str, Any],
+    sampling: SamplingSettings,
     seed: int | None,
     targets: Targets,
     request: Request,
@@ -96,7 +79,8 @@ async def generate_rows(
         pending, attempt = list(rows), 0
         while pending:
             attempt += 1
-            body = group_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, lora_path=lora_path)
+            body = generate_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, return_logprob=True,
+                                 lora_path=lora_path)
             target = await targets.acquire()
             try:
                 reply = await request(target.url, "POST", "/generate", body)
