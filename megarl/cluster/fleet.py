@@ -37,6 +37,7 @@ def start_fleet(settings: FleetSettings, *, pool: ResourcePool, weights: Path | 
         mem_fraction=settings.mem_fraction,
         sglang_args=dict(settings.sglang_args),
         enable_memory_saver=settings.enable_memory_saver,
+        enable_weights_cpu_backup=settings.enable_weights_cpu_backup,
         lora_max_rank=settings.lora_max_rank,
         lora_target_modules=settings.lora_target_modules,
     )

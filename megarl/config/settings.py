@@ -185,6 +185,7 @@ class FleetSettings:
     mem_fraction: float
     sglang_args: dict[str, Any]
     enable_memory_saver: bool
+    enable_weights_cpu_backup: bool  # released weights come back from a host copy (a LoRA policy's frozen base)
     max_concurrency: int
     routing: str
     router_policy: str
@@ -394,6 +395,9 @@ def rollout_fleet_settings(recipe: Recipe) -> FleetSettings:
         backend=rollout.backend, num_servers=rollout.num_servers, tp=rollout.tp, bind=rollout.host,
         port=rollout.port, threads=rollout.engine_threads, mem_fraction=rollout.mem_fraction,
         sglang_args=dict(rollout.sglang), enable_memory_saver=sleeps_between_phases(recipe),
+        # A LoRA sync moves only what the adapters change: the servers keep the frozen rest in host memory while
+        # they release their weights for the trainer.
+        enable_weights_cpu_backup=sleeps_between_phases(recipe) and recipe.actor.lora is not None,
         max_concurrency=rollout.max_concurrency, routing=rollout.routing, router_policy=rollout.router_policy,
         seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s, model_path=None, tokenizer_path=None,
         **_lora_serving(recipe),
@@ -416,9 +420,9 @@ def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
     return FleetSettings(
         backend=rollout.backend, num_servers=judge.num_servers, tp=judge.tp, bind=rollout.host, port=None,
         threads=judge.engine_threads, mem_fraction=judge.mem_fraction, sglang_args=dict(judge.sglang),
-        enable_memory_saver=False, max_concurrency=judge.max_concurrency, routing="client",
-        router_policy=rollout.router_policy, seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s,
-        model_path=judge.model_path, tokenizer_path=judge.tokenizer or judge.model_path,
+        enable_memory_saver=False, enable_weights_cpu_backup=False, max_concurrency=judge.max_concurrency,
+        routing="client", router_policy=rollout.router_policy, seed=recipe.seed,
+        startup_timeout_s=rollout.startup_timeout_s, model_path=judge.model_path, tokenizer_path=judge.tokenizer or judge.model_path,
         lora_max_rank=None, lora_target_modules=(),
     )
 
