@@ -58,6 +58,8 @@ def frozen_base_facts(engine) -> dict:
         "grad_buffer_numel": sum(b.numel for b in buffers),
         "adapter_numel": sum(p.numel() for c in lora.containers(engine.model.chunks) for p in c.parameters()),
         "optimizer_state_params": sum(len(inner.state) for inner in engine.train.torch_optimizers()),
+        "weight_bytes": sum(p.numel() * p.element_size() for chunk in engine.model.chunks for p in chunk.parameters()),
+        "train_state_bytes": engine.train_state_bytes(),
     }
 
 

@@ -142,6 +142,10 @@ class MegatronWorker:
             return torch.cuda.max_memory_allocated() / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
+    def train_state_gb(self) -> float:
+        """The weights, gradient buffers and optimizer state this rank's engine holds while it trains."""
+        return self.engine.train_state_bytes() / 2**30
+
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
                      devices: list[list[str]] | None = None) -> dict[str, float] | None:
         """Load this policy's weights into every server in `urls` under `version`; metrics on rank 0, else None.

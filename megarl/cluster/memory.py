@@ -74,5 +74,10 @@ class MemoryCycle:
 
 def peak_memory_metrics(groups: dict[str, WorkerGroup]) -> dict[str, float]:
     """`perf/max_memory_gb/<role>`: the largest peak of any rank of each role (device memory on GPUs, the
-    process's resident memory on CPU)."""
-    return {f"perf/max_memory_gb/{role}": max(group.run(MegatronWorker.peak_memory_gb)) for role, group in groups.items()}
+    process's resident memory on CPU); `perf/train_state_gb/<role>`: the largest training state of a rank
+    (weights, gradient buffers, optimizer state), what a role keeps whatever the runtime around it weighs."""
+    metrics = {}
+    for role, group in groups.items():
+        metrics[f"perf/max_memory_gb/{role}"] = max(group.run(MegatronWorker.peak_memory_gb))
+        metrics[f"perf/train_state_gb/{role}"] = max(group.run(MegatronWorker.train_state_gb))
+    return metrics

@@ -267,6 +267,16 @@ class MegatronEngine:
             # A bf16 model trains fp32 main copies inside the optimizer: refresh them too.
             self.train.optimizer.reload_model_params()
 
+    def train_state_bytes(self) -> int:
+        """The bytes of this rank's weights plus, per trainable parameter, its fp32 gradient, Adam's two fp32
+        moments and (for a bf16 / fp16 model) its fp32 main copy: the state a training step keeps."""
+        params = {id(p): p for chunk in self.model.chunks for p in chunk.parameters()}.values()
+        total = sum(p.numel() * p.element_size() for p in params)
+        if self.train is not None:
+            per_element = 4 + 8 + (4 if self.model.config.params_dtype != torch.float32 else 0)
+            total += sum(p.numel() * per_element for p in params if p.requires_grad)
+        return total
+
     def reset_optimizer_state(self) -> None:
         self._require_trainable().reset_state()
 

@@ -117,6 +117,9 @@ class TrainEngine(Protocol):
     def reset_optimizer_state(self) -> None:
         """Forget the optimizer's moments (the LR schedule is kept)."""
 
+    def train_state_bytes(self) -> int:
+        """Bytes of the weights, gradients and optimizer state this rank keeps while it trains."""
+
     def offload(self, *, weights: bool) -> None:
         """Move optimizer state and gradient buffers (and the weights when `weights`) to host memory."""
 
