@@ -107,4 +107,4 @@ def test_the_lora_quickstart_validates_and_explains_its_reference(capsys):
     same_actor = {k: v for k, v in loaded.actor.model_dump().items()
                   if k not in ("lora", "optim", "use_kl_loss", "kl_loss_coef")}
     assert same_actor == {k: v for k, v in grpo.actor.model_dump().items() if k in same_actor}
-    assert loaded.actor.optim.lr == 10 * grpo.actor.optim.lr
+    assert loaded.actor.optim.lr == 4 * grpo.actor.optim.lr

@@ -13,8 +13,9 @@ imitates it). One step, with `placement.offload` on a colocated placement:
 In a step that does not update the actor (critic warm-up) the fleet keeps its weights,
 since nothing would sync them back. A LoRA actor's sync moves only what its adapters change
 (merged adapted linears, or the adapters alone): its fleet runs with a host copy of its
-weights (`--enable-weights-cpu-backup`), so the released frozen base comes back from there. The step loop times each direction as
-`timing_s/onload` and `timing_s/offload`. Without the cycle every call is a no-op.
+weights (`--enable-weights-cpu-backup`), so the released frozen base comes back from there.
+The step loop times each direction as `timing_s/onload` and `timing_s/offload`. Without the
+cycle every call is a no-op.
 """
 
 from __future__ import annotations

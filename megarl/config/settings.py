@@ -422,8 +422,8 @@ def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
         threads=judge.engine_threads, mem_fraction=judge.mem_fraction, sglang_args=dict(judge.sglang),
         enable_memory_saver=False, enable_weights_cpu_backup=False, max_concurrency=judge.max_concurrency,
         routing="client", router_policy=rollout.router_policy, seed=recipe.seed,
-        startup_timeout_s=rollout.startup_timeout_s, model_path=judge.model_path, tokenizer_path=judge.tokenizer or judge.model_path,
-        lora_max_rank=None, lora_target_modules=(),
+        startup_timeout_s=rollout.startup_timeout_s, model_path=judge.model_path,
+        tokenizer_path=judge.tokenizer or judge.model_path, lora_max_rank=None, lora_target_modules=(),
     )
 
 
