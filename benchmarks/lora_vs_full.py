@@ -4,7 +4,8 @@
 
 Prints, per run: the greedy validation score at every validation step and its gain over step 0,
 the bytes one weight sync moves (`weight_sync/bytes`, median over steps), the actor's peak
-memory (`perf/max_memory_gb/actor`, the largest over steps), whether a reference engine ran
+memory (`perf/max_memory_gb/actor`, the largest over steps) and training state
+(`perf/train_state_gb/actor`: weights, gradients, optimizer state), whether a reference engine ran
 (`perf/max_memory_gb/reference`) and the median step time; then the gain difference at each
 common validation step and the sync-bytes ratio.
 """
@@ -33,6 +34,8 @@ def summary(run_dir: Path) -> dict:
         "gain": {step: score - validation[0] for step, score in validation.items()},
         "sync_bytes": statistics.median(r["weight_sync/bytes"] for r in steps),
         "actor_peak_gb": max(r["perf/max_memory_gb/actor"] for r in steps),
+        "actor_state_gb": max((r["perf/train_state_gb/actor"] for r in steps if "perf/train_state_gb/actor" in r),
+                              default=None),
         "reference_peak_gb": max(reference) if reference else None,
         "step_s": statistics.median(r["timing_s/step"] for r in steps),
         "steps": len(steps),
@@ -48,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     for run in (lora, full):
         scores = "  ".join(f"{step}: {score:.3f}" for step, score in sorted(run["validation"].items()))
         reference = "none" if run["reference_peak_gb"] is None else f"{run['reference_peak_gb']:.2f} GB"
+        state = "n/a" if run["actor_state_gb"] is None else f"{run['actor_state_gb'] * 2**10:.2f} MiB"
         print(f"{run['run']}: {run['steps']} steps; validation {scores}")
-        print(f"  sync {run['sync_bytes']:,.0f} B; actor peak {run['actor_peak_gb']:.2f} GB; reference engine "
-              f"{reference}; step {run['step_s']:.1f} s (median)")
+        print(f"  sync {run['sync_bytes']:,.0f} B; actor peak {run['actor_peak_gb']:.3f} GB, training state {state}; "
+              f"reference engine {reference}; step {run['step_s']:.1f} s (median)")
     common = sorted(set(lora["gain"]) & set(full["gain"]) - {0})
     for step in common:
         print(f"step {step}: gain LoRA {lora['gain'][step]:+.3f}, full {full['gain'][step]:+.3f}, "
