@@ -18,7 +18,17 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
-from megarl.config.training import Optim, Parallel, Section, registered
+from megarl.config.training import (
+    MAX_SYNTHETIC_ROWS,
+    MAX_THREADS,
+    Optim,
+    Parallel,
+    Seconds,
+    Section,
+    Seed,
+    Temperature,
+    registered,
+)
 from megarl.registry import JUDGE_PARSERS, REWARD_COMBINE_MODES
 
 _SCORER_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -73,12 +83,12 @@ class JudgeConfig(Section):
         "the policy gains nothing by confusing the judge",
     )
     max_new_tokens: PositiveInt = Field(64, description="tokens the judge may generate per verdict")
-    temperature: NonNegativeFloat = Field(0.0, description="judge sampling temperature; 0 = greedy")
+    temperature: Temperature = Field(0.0, description="judge sampling temperature; 0 = greedy")
     num_servers: PositiveInt = Field(1, description="servers in the judge fleet")
     tp: PositiveInt = Field(1, description="tensor-parallel size of one judge server")
     max_concurrency: PositiveInt = Field(64, description="in-flight judge requests per server")
     mem_fraction: float = Field(0.3, gt=0.0, le=1.0, description="share of accelerator memory a judge server may take")
-    engine_threads: PositiveInt = Field(1, description="torch threads of one CPU judge engine")
+    engine_threads: PositiveInt = Field(1, le=MAX_THREADS, description="torch threads of one CPU judge engine")
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang arguments of the judge servers")
 
     @field_validator("prompt_template")
@@ -113,9 +123,10 @@ class RemoteRewardConfig(Section):
 
     url: str = Field(description="http(s) endpoint that scores one row per POST")
     max_concurrency: PositiveInt = Field(32, description="requests in flight at once")
-    timeout_s: PositiveFloat = Field(30.0, description="one request may take at most this long")
-    retries: NonNegativeInt = Field(3, description="attempts after the first for a row whose request failed")
-    backoff_s: PositiveFloat = Field(0.5, description="wait before the first retry; doubled for each further one")
+    timeout_s: Seconds = Field(30.0, description="one request may take at most this long")
+    # The wait doubles with each retry: 20 of them already reach days.
+    retries: NonNegativeInt = Field(3, le=20, description="attempts after the first for a row whose request failed")
+    backoff_s: Seconds = Field(0.5, description="wait before the first retry; doubled for each further one")
     headers: dict[str, str] = Field(default_factory=dict, description="HTTP headers sent with every request")
     on_failure: Literal["fail", "drop"] = Field(
         "fail",
@@ -141,7 +152,7 @@ class RewardConfig(Section):
     )
     format_score: float = Field(0.0, description="score of a well-formed but wrong answer")
     score: float = Field(1.0, description="score of a correct answer")
-    num_workers: NonNegativeInt = Field(0, description="scoring processes; 0 = score in the controller")
+    num_workers: NonNegativeInt = Field(0, le=MAX_THREADS, description="scoring processes; 0 = score in the controller")
     combine: CombineMode = Field(
         "rule",
         description="how the outcome reward is made from the rule score and the model-side score rm_scores "
@@ -169,9 +180,10 @@ class SyntheticPairs(Section):
     task: Literal["addition"] = Field(
         description="preference pairs from the arithmetic task: the reference answer preferred over a wrong one"
     )
-    num_train: PositiveInt = Field(description="training pairs to generate")
-    num_val: PositiveInt = Field(description="validation pairs to generate (problems never in the training pairs)")
-    seed: int = Field(0, description="generator seed")
+    num_train: PositiveInt = Field(le=MAX_SYNTHETIC_ROWS, description="training pairs to generate")
+    num_val: PositiveInt = Field(le=MAX_SYNTHETIC_ROWS,
+                                 description="validation pairs to generate (problems never in the training pairs)")
+    seed: Seed = Field(0, description="generator seed")
     max_operand: PositiveInt = Field(99, description="largest operand of the generated problems")
 
 

@@ -3,7 +3,8 @@
 Set-up order: run directory (resume or start over) and resolved recipe, tokenizer and
 data, initial HF weights, metric sinks, Ray and the resource pools, the Megatron worker
 groups, the optional SFT warm-up (fresh runs) or the checkpoint (resumed runs), the
-rollout fleet with the first weight sync, then the step loop. Everything started here
+engines off their devices (colocated: the fleet sizes its KV cache from the memory
+free when it starts), the rollout fleet with the first weight sync, then the step loop. Everything started here
 is stopped here, by handle, also when a signal stops the run (`preemption`).
 """
 
@@ -13,6 +14,7 @@ import secrets
 import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -50,6 +52,7 @@ from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.step import Trainer
 from megarl.errors import InputError
+from megarl.rollout import RolloutFleet
 from megarl.tracking.tracker import Tracker, controller_log
 from megarl.tracking.wandb_sink import WandbSink
 
@@ -60,14 +63,26 @@ def _engine_group(recipe: Recipe, role: str, pool, *, hf_config: dict, weights: 
                               weights=str(weights), log_dir=log_dir)
 
 
-def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: SamplingSettings, run_dir: Path,
-                 tracker: Tracker, cleanup: ExitStack, resume_from: StepCheckpoint | None,
-                 preemption: Preemption) -> Roles:
-    """Worker groups, the SFT warm-up (fresh runs) or the checkpoint (resumed runs), the fleet and the first
-    weight sync; registers their teardown."""
-    for pool in set(pools.values()):
-        cleanup.callback(pool.release)
-    hf_config, log_dir = recipe.model.hf_config(), run_dir / "logs"
+@dataclass(frozen=True)
+class _Engines:
+    """The run's engine groups: the actor, and the reference and the critic when the recipe has them."""
+
+    actor: PolicyRole
+    reference: PolicyRole | None
+    critic: CriticRole | None
+
+    def idle_groups(self) -> list[WorkerGroup]:
+        """The groups that sleep through generation and the weight sync (all but the actor's: a LoRA actor's
+        reference runs on it)."""
+        return [role.group for role in (self.reference, self.critic)
+                if role is not None and role.group is not self.actor.group]
+
+
+def _start_engines(recipe: Recipe, *, pools, weights: Path, sampling: SamplingSettings, log_dir: Path,
+                   cleanup: ExitStack) -> _Engines:
+    """The actor, the reference and the critic on their pools, from the run's initial `weights` (a critic from
+    `critic.model_path` when it names a checkpoint); registers their teardown."""
+    hf_config = recipe.model.hf_config()
     actor_group = _engine_group(recipe, "actor", pools["actor"], hf_config=hf_config, weights=weights,
                                 log_dir=log_dir)
     cleanup.callback(actor_group.kill)
@@ -92,46 +107,77 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
         )
         cleanup.callback(critic_group.kill)
         critic = CriticRole(critic_group, update=value_update_settings(recipe))
-    if resume_from is None and recipe.sft_warmup.steps > 0:
-        run_sft_warmup(actor, data, recipe, tracker, stop_requested=lambda: preemption.requested)
-        if preemption.requested:
-            raise Preempted(None, None)
-        # The reference is the policy RL starts from: the warmed-up weights, not the initial ones;
-        # a critic without its own checkpoint starts from the same backbone.
-        followers = [reference.group] if reference is not None else []
-        if critic is not None and not recipe.critic.model_path:
-            followers.append(critic.group)
-        if followers:
-            # Through a weights-only checkpoint of the actor: every rank of a follower reads only its own
-            # shards, and no full copy of the model passes through this driver.
-            handoff = run_dir / "sft_handoff"
-            actor_group.run(MegatronWorker.save_checkpoint, str(handoff), weights_only=True)
-            for group in followers:
-                group.run(MegatronWorker.load_policy_checkpoint, str(handoff))
-            shutil.rmtree(handoff)
-    api_key = secrets.token_hex(16)
-    fleet = start_fleet(rollout_fleet_settings(recipe), pool=pools["rollout"], weights=weights,
+    return _Engines(actor=actor, reference=reference, critic=critic)
+
+
+def _hand_off_sft(recipe: Recipe, engines: _Engines, *, data, run_dir: Path, tracker: Tracker,
+                  preemption: Preemption) -> None:
+    """A fresh run's SFT warm-up on the actor, then its weights to the engines that start where it ends: the
+    reference (the policy RL starts from) and a critic without a checkpoint of its own. Raises `Preempted`
+    when a stop came during the warm-up."""
+    run_sft_warmup(engines.actor, data, recipe, tracker, stop_requested=lambda: preemption.requested)
+    if preemption.requested:
+        raise Preempted(None, None)
+    reference = engines.reference
+    followers = [reference.group] if reference is not None and reference.group is not engines.actor.group else []
+    if engines.critic is not None and not recipe.critic.model_path:
+        followers.append(engines.critic.group)
+    if followers:
+        # Through a weights-only checkpoint of the actor: every rank of a follower reads only its own
+        # shards, and no full copy of the model passes through this driver.
+        handoff = run_dir / "sft_handoff"
+        engines.actor.group.run(MegatronWorker.save_checkpoint, str(handoff), weights_only=True)
+        for group in followers:
+            group.run(MegatronWorker.load_policy_checkpoint, str(handoff))
+        shutil.rmtree(handoff)
+
+
+def _start_fleet(recipe: Recipe, actor: PolicyRole, *, pool, weights: Path, data, api_key: str, run_dir: Path,
+                 log_dir: Path, cleanup: ExitStack) -> RolloutFleet:
+    """The rollout fleet from the run's initial `weights`, with the actor as its weight source (a server it
+    restarts gets the actor's current weights); registers its teardown and the actor's leaving the servers'
+    weight-update groups before it."""
+    fleet = start_fleet(rollout_fleet_settings(recipe), pool=pool, weights=weights,
                         pad_token_id=data.tokenizer.pad_token_id, api_key=api_key, log_dir=log_dir)
     cleanup.callback(fleet.shutdown)
-    # The fleet re-pushes the actor's current weights to a server it had to restart.
     fleet.set_weight_source(partial(actor.push_weights, api_key=api_key,
                                     settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
-    cleanup.callback(actor_group.run, MegatronWorker.close_weight_sync)
-    reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
-                               api_key=api_key, run_dir=run_dir, cleanup=cleanup)
-    idle = [role.group for role in (reference, critic) if role is not None and role.group is not actor_group]
-    memory = MemoryCycle(fleet, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
-    roles = Roles(actor=actor, rollout=fleet, reward=reward, memory=memory, reference=reference, critic=critic,
-                  kl_ctrl=data.kl_ctrl)
+    cleanup.callback(actor.group.run, MegatronWorker.close_weight_sync)
+    return fleet
+
+
+def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: SamplingSettings, run_dir: Path,
+                 tracker: Tracker, cleanup: ExitStack, resume_from: StepCheckpoint | None,
+                 preemption: Preemption) -> Roles:
+    """The engines, the SFT hand-off (fresh runs) or the checkpoint (resumed runs), the engines to sleep, the
+    fleet, the reward loop and the first weight sync; registers their teardown."""
+    for pool in set(pools.values()):
+        cleanup.callback(pool.release)
+    log_dir = run_dir / "logs"
+    engines = _start_engines(recipe, pools=pools, weights=weights, sampling=sampling, log_dir=log_dir,
+                             cleanup=cleanup)
+    if resume_from is None and recipe.sft_warmup.steps > 0:
+        _hand_off_sft(recipe, engines, data=data, run_dir=run_dir, tracker=tracker, preemption=preemption)
+    memory = MemoryCycle(None, actor=engines.actor.group, idle_groups=engines.idle_groups(),
+                         enabled=sleeps_between_phases(recipe))
+    roles = Roles(actor=engines.actor, rollout=None, reward=None, memory=memory, reference=engines.reference,
+                  critic=engines.critic, kl_ctrl=data.kl_ctrl)
     version = 0
-    if resume_from is not None:
+    if resume_from is not None:  # into the engines while they are still on their devices
         load_step(roles, resume_from)
         state = resume_from.controller_state()
         run_state.restore(state, loader=data.train_batches, kl_ctrl=data.kl_ctrl)
         version = state["weight_version"]
-    roles.sync_weights(version=version)
-    memory.sleep_all()  # the fleet generates first
+    # SGLang sizes its KV cache from the device memory free when it starts: the engines leave first.
+    memory.sleep_all()
+    api_key = secrets.token_hex(16)  # the policy's fleet and the judge's
+    fleet = _start_fleet(recipe, engines.actor, pool=pools["rollout"], weights=weights, data=data, api_key=api_key,
+                         run_dir=run_dir, log_dir=log_dir, cleanup=cleanup)
+    roles.rollout = memory.fleet = fleet
+    roles.reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
+                                     api_key=api_key, run_dir=run_dir, cleanup=cleanup)
+    memory.sync_from_sleep(lambda: roles.sync_weights(version=version))  # the fleet generates first
     return roles
 
 

@@ -61,6 +61,7 @@ class MegatronEngine:
     _update_calls: int = 0
     _offloaded: offload.Offloaded | None = None  # what the last offload(s) moved, until onload
     _backbone_only = False  # a value model keeps its own head when it loads a policy's weights
+    head = "lm"  # what its checkpoints record as their model (`checkpoint.CheckpointInfo.head`)
     lora_settings: LoraSettings | None = None  # a policy with LoRA adapters on a frozen base
     base_weights: dict | None = None  # with LoRA: where the frozen base came from ({"path", "seed"})
 
@@ -206,16 +207,6 @@ class MegatronEngine:
         cpu_compat.install()
         return hf_weights.hf_state_dict(self.model, self._weights_of)
 
-    def save_hf_weights(self, path: str, *, dtype: str) -> None:
-        """`hf_state_dict()` in `dtype` as one safetensors file at `path`, written by global rank 0 (collective).
-        Small models only, as `hf_state_dict`; large ones go through `save_checkpoint` and `megarl export`."""
-        from safetensors.torch import save_file
-
-        state = self.hf_state_dict()
-        if torch.distributed.get_rank() == 0:
-            save_file({name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in state.items()},
-                      path, metadata={"format": "pt"})
-
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         cpu_compat.install()
         hf_weights.load_hf_state_dict(self.model, state_dict, backbone_only=self._backbone_only)
@@ -245,6 +236,7 @@ class MegatronEngine:
             tokenizer_path=self.tokenizer_path,
             engine_state={"update_calls": self._update_calls},
             weights_only=weights_only,
+            head=self.head,
             lora_record=self._lora_record(),
         )
 

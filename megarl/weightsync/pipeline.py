@@ -49,6 +49,9 @@ class Transport(Protocol):
     def commit(self, *, weight_version: str) -> None:
         """After every sender succeeded (rank 0)."""
 
+    def release_buffers(self) -> None:
+        """Free the bucket buffers (a later sync allocates them again); groups and clients stay."""
+
     def close(self) -> None:
         """Release what the transport holds (groups on the servers, buffers)."""
 
