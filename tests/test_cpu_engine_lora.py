@@ -21,7 +21,7 @@ import torch
 from _http import call
 from _tiny import greedy_continuation
 from megarl.rollout.server import start_cpu_engine
-from megarl.rollout.weight_wire import entries_for_tp_ranks, tensor_digest
+from megarl.rollout.weight_wire import entries_for_tp_ranks, tensor_checksum
 
 pytestmark = pytest.mark.dist
 peft = pytest.importorskip("peft")
@@ -103,7 +103,7 @@ def test_adapter_from_tensors_with_checksums(setup):
     tensors = list(peft.get_peft_model_state_dict(setup["adapted"]).items())
     config = setup["adapted"].peft_config["default"].to_dict()
     config["target_modules"] = sorted(config["target_modules"])
-    checksums = {name: tensor_digest(tensor) for name, tensor in tensors}
+    checksums = {name: tensor_checksum(tensor) for name, tensor in tensors}
     body = {"lora_name": "t", "config_dict": config, "serialized_named_tensors": entries_for_tp_ranks(tensors, 1),
             "expected_checksums": checksums}
     status, reply = call(url, "/load_lora_adapter_from_tensors", body)
@@ -111,7 +111,7 @@ def test_adapter_from_tensors_with_checksums(setup):
     status, outputs = _generate(url, PROMPTS, "t")
     assert [out["output_ids"] for out in outputs] == [greedy_continuation(setup["adapted"], p, STEPS)
                                                       for p in PROMPTS]
-    wrong = {**checksums, tensors[0][0]: "0" * 32}
+    wrong = {**checksums, tensors[0][0]: "0" * 16}
     body = {**body, "lora_name": "t2", "serialized_named_tensors": entries_for_tp_ranks(tensors, 1),
             "expected_checksums": wrong}
     status, reply = call(url, "/load_lora_adapter_from_tensors", body)

@@ -40,6 +40,8 @@ def start_fleet(settings: FleetSettings, *, pool: ResourcePool, weights: Path | 
         enable_weights_cpu_backup=settings.enable_weights_cpu_backup,
         lora_max_rank=settings.lora_max_rank,
         lora_target_modules=settings.lora_target_modules,
+        deterministic=settings.deterministic,
+        max_sequences=settings.max_sequences,
     )
     return RolloutFleet(
         spec,

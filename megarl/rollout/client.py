@@ -204,7 +204,7 @@ class RolloutClient:
                                        *, checksums: dict[str, str] | None = None) -> None:
         """Load a PEFT adapter (its `adapter_config.json` as `config`, tensors with PEFT's names) on every server
         as `name`: one pickle per server TP rank, as for weight updates; `checksums` ({tensor: digest,
-        `weight_wire.tensor_digest`}) are checked by the server."""
+        `weight_wire.tensor_checksum`}) are checked by the server."""
         bodies = [{"lora_name": name, "config_dict": config,
                    "serialized_named_tensors": entries_for_tp_ranks(list(named_tensors), tp_size),
                    "expected_checksums": checksums}

@@ -32,7 +32,7 @@ import torch
 from megarl.config.settings import WeightSyncSettings
 from megarl.models.lora import merge_adapter, peft_config, to_peft
 from megarl.rollout.client import RolloutClient, RolloutError
-from megarl.rollout.weight_wire import lora_adapter_name, tensor_digest
+from megarl.rollout.weight_wire import lora_adapter_name, tensor_checksum
 from megarl.weightsync.groups import RankCoords
 from megarl.weightsync.session import SyncStats, WeightSyncError
 
@@ -121,5 +121,5 @@ class AdapterSync:
             os.replace(staging, directory)
             client.load_lora_adapter(name, str(directory))
         else:
-            checksums = {key: tensor_digest(tensor) for key, tensor in tensors.items()}
+            checksums = {key: tensor_checksum(tensor) for key, tensor in tensors.items()}
             client.load_lora_adapter_from_tensors(name, config, list(tensors.items()), checksums=checksums)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from megarl.rollout.weight_wire import tensor_digest
+from megarl.rollout.weight_wire import tensor_checksum
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -156,11 +156,12 @@ class LoraServing:
 
     def load_tensors(self, name: str, config: dict, tensors: list[tuple[str, torch.Tensor]], *, pinned: bool,
                      expected_checksums: dict[str, str] | None) -> dict[str, str]:
-        """An adapter from (name, tensor) pairs; `expected_checksums` ({tensor: `tensor_digest`}) must match."""
+        """An adapter from (name, tensor) pairs; `expected_checksums` ({tensor: SGLang's per-tensor checksum,
+        `weight_wire.tensor_checksum`}) must match."""
         if expected_checksums is not None:
             received = dict(tensors)
             bad = [key for key, digest in expected_checksums.items()
-                   if key not in received or tensor_digest(received[key]) != digest]
+                   if key not in received or tensor_checksum(received[key]) != digest]
             if bad:
                 raise LoraError(f"LoRA adapter {name}: checksum mismatch for {sorted(bad)[:5]}")
         return self._load(name, TENSOR_PATH, config, tensors, pinned=pinned)
