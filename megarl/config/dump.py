@@ -20,7 +20,7 @@ from megarl.config.layout import (
     resolve_layout,
 )
 from megarl.config.loader import BASE_KEY
-from megarl.config.overrides import unwrap
+from megarl.config.overrides import recipe_keys, unwrap
 from megarl.config.schema import Recipe
 from megarl.config.yamlio import dump_yaml
 
@@ -78,11 +78,11 @@ def default_of(key: str) -> tuple[bool, Any]:
     section: Any = Recipe
     *parents, leaf = key.split(".")
     for name in parents:
-        field = section.model_fields.get(name)
+        field = recipe_keys(section).get(name)
         section = unwrap(field.annotation) if field is not None else None
         if not (isinstance(section, type) and issubclass(section, BaseModel)):
             return False, None
-    field = section.model_fields.get(leaf)
+    field = recipe_keys(section).get(leaf)
     if field is None or field.is_required():
         return False, None
     return True, TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
