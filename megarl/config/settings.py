@@ -145,11 +145,26 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class AsyncSettings:
+    """Asynchronous RL (`rollout.async`): generation up to `max_staleness` weight versions ahead; weight syncs
+    while requests are paused in place (`in_flight_updates`) or, with `partial_rollouts`, after aborting them
+    and re-sending what they generated; stale tokens corrected with `correction_mode` ("truncate", "mask" or
+    "off") at `correction_level` ("token" or "sequence") with the cap `correction_cap`."""
+
+    max_staleness: int
+    in_flight_updates: bool
+    partial_rollouts: bool
+    correction_mode: str
+    correction_level: str
+    correction_cap: float
+
+
+@dataclass(frozen=True)
 class StepSettings:
     """The per-step knobs of `Trainer.step`: `rollout_n` responses per prompt drawn with `sampling` (whose
     temperature the log-prob pass uses too), the advantage estimator and its options, the KL-in-reward
     penalty, batch balancing, the critic's warm-up steps and `num_devices`, every device of the placement
-    (perf/throughput is per device)."""
+    (perf/throughput is per device); `async_rollout` for asynchronous RL (None: synchronous)."""
 
     rollout_n: int
     sampling: SamplingSettings
@@ -164,6 +179,7 @@ class StepSettings:
     balance_batch: bool
     critic_warmup: int
     num_devices: int
+    async_rollout: AsyncSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -442,7 +458,19 @@ def step_settings(recipe: Recipe, *, sampling: SamplingSettings, num_devices: in
         balance_batch=recipe.trainer.balance_batch,
         critic_warmup=recipe.critic.warmup_steps if recipe.critic else 0,
         num_devices=num_devices,
+        async_rollout=async_settings(recipe),
     )
+
+
+def async_settings(recipe: Recipe) -> AsyncSettings | None:
+    """`rollout.async`'s settings, None for the synchronous loop."""
+    section = recipe.rollout.async_
+    if section is None:
+        return None
+    correction = section.correction
+    return AsyncSettings(max_staleness=section.max_staleness, in_flight_updates=section.in_flight_updates,
+                         partial_rollouts=section.partial_rollouts, correction_mode=correction.mode,
+                         correction_level=correction.level, correction_cap=correction.cap)
 
 
 def sleeps_between_phases(recipe: Recipe) -> bool:

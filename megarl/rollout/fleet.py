@@ -122,6 +122,7 @@ class RolloutFleet:
         self._closed = False
         self._generation_lock = threading.Lock()
         self._generation: concurrent.futures.Future | None = None
+        self._background: set[concurrent.futures.Future] = set()
         self._generation_stopped = False
         self._client: RolloutClient | None = None
         self._router: RouterHandle | None = None
@@ -179,6 +180,24 @@ class RolloutFleet:
         return rollout_batch(gen_batch, results, pad_id=self.pad_token_id,
                              max_response_length=sampling.max_new_tokens)
 
+    def start_generation(self, gen_batch: Batch, sampling: SamplingSettings, *, seed: int,
+                         on_rows: Callable[[list[int], list[GenerationResult]], None]) -> concurrent.futures.Future:
+        """`generate` without waiting (asynchronous RL): each row's result goes to `on_rows` as it finishes (on
+        the client's loop), the future ends with the call (its exception, if any). Seeds as `generate`'s, so a
+        batch generated this way draws the samples `generate` would. `stop_generating()` cancels it."""
+        prompts = prompt_token_lists(gen_batch)
+        groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
+        with self._generation_lock:
+            if self._generation_stopped:
+                raise GenerationInterrupted("generation was stopped: the run is shutting down")
+            future = self._client.submit(generate_rows(
+                prompts, groups, sampling=sampling, seed=self.call_seed(seed), targets=self,
+                request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows,
+            ))
+            self._background.add(future)
+        future.add_done_callback(self._background.discard)
+        return future
+
     def call_seed(self, seed: int) -> int:
         """The seed of a generation call numbered `seed` (the step) in this run; rows derive theirs from it."""
         return self.seed * 100_003 + seed
@@ -217,6 +236,8 @@ class RolloutFleet:
             self._generation_stopped = True
             if self._generation is not None:
                 self._generation.cancel()
+            for future in list(self._background):
+                future.cancel()
 
     async def _checked(self, coroutine: Coroutine[Any, Any, T]) -> T:
         # Checks before and after: a server may have died while idle, and the router
