@@ -36,6 +36,7 @@ from megarl.config.settings import (
     rollout_fleet_settings,
     rollout_sampling,
     sleeps_between_phases,
+    StepSettings,
     step_settings,
     validation_sampling,
     value_update_settings,
@@ -186,15 +187,14 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
     return roles
 
 
-def _async_rollout(recipe: Recipe, *, roles: Roles, data, sampling, resume_from: StepCheckpoint | None,
-                   start_step: int, cleanup: ExitStack) -> AsyncRollout | None:
+def _async_rollout(recipe: Recipe, settings: StepSettings, *, roles: Roles, data,
+                   resume_from: StepCheckpoint | None, start_step: int, cleanup: ExitStack) -> AsyncRollout | None:
     """The producer and buffer of `rollout.async` (None without it), continuing a checkpoint's resume point (one
     written by a synchronous run: its next step's batch)."""
-    settings = recipe.rollout.async_
-    if settings is None:
+    if settings.async_rollout is None:
         return None
-    ahead = AsyncRollout(roles.rollout, data.train_batches, sampling=sampling, rollout_n=recipe.rollout.n,
-                         batch_size=recipe.data.train_batch_size, max_staleness=settings.max_staleness,
+    ahead = AsyncRollout(roles.rollout, data.train_batches, sampling=settings.sampling, rollout_n=settings.rollout_n,
+                         batch_size=recipe.data.train_batch_size, max_staleness=settings.async_rollout.max_staleness,
                          total_steps=recipe.trainer.total_steps)
     state = resume_from.controller_state().get("async") if resume_from is not None else None
     ahead.restore(state if state is not None else {"next_batch": start_step, "trained": {}})
@@ -250,9 +250,9 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
         roles = _start_roles(recipe, pools=pools, weights=weights, data=data, sampling=sampling, run_dir=run_dir,
                              tracker=tracker, cleanup=cleanup, resume_from=resume_from, preemption=preemption)
         preemption.on_request(roles.rollout.stop_generating)
-        trainer = Trainer(roles, step_settings(recipe, sampling=sampling, num_devices=total_devices(pools)),
-                          stop_requested=lambda: preemption.requested, on_phase=on_phase)
-        ahead = _async_rollout(recipe, roles=roles, data=data, sampling=sampling, resume_from=resume_from,
+        settings = step_settings(recipe, sampling=sampling, num_devices=total_devices(pools))
+        trainer = Trainer(roles, settings, stop_requested=lambda: preemption.requested, on_phase=on_phase)
+        ahead = _async_rollout(recipe, settings, roles=roles, data=data, resume_from=resume_from,
                                start_step=start_step, cleanup=cleanup)
         loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
                         preemption=preemption, newest=resume_from,
