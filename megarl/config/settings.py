@@ -120,7 +120,7 @@ class PreferenceUpdateSettings:
 class WeightSyncSettings:
     """How the actor's weights reach the rollout fleet (`weight_sync` in the recipe): buckets of at most
     `bucket_bytes` (the recipe's `bucket_mb` MiB); `disk_dir` is the run-local directory the disk transport
-    writes to."""
+    writes to; `pause_mode` how a sync meets running requests (SGLang's `pause_generation` mode, or None)."""
 
     transport: str
     bucket_bytes: int
@@ -128,6 +128,9 @@ class WeightSyncSettings:
     timeout_s: float
     disk_dir: str
     lora: str  # with LoRA: "merged" weights, or "adapter" only
+    # How a sync meets running requests: pause them "in_place" (they go on under the new weights), "abort" them
+    # (partial rollouts re-send them), or None: the update waits for them to finish.
+    pause_mode: str | None = "in_place"
 
 
 @dataclass(frozen=True)
@@ -380,7 +383,17 @@ def weight_sync_settings(recipe: Recipe, run_dir: Path) -> WeightSyncSettings:
         timeout_s=sync.timeout_s,
         disk_dir=str(Path(run_dir) / "weight_sync"),
         lora=sync.lora,
+        pause_mode=_pause_mode(recipe),
     )
+
+
+def _pause_mode(recipe: Recipe) -> str | None:
+    """The synchronous loop syncs between generations (nothing runs: in place, as ever); asynchronous RL pauses in
+    place only with in-flight updates, aborts with partial rollouts, else lets the update wait."""
+    section = recipe.rollout.async_
+    if section is None or section.in_flight_updates:
+        return "in_place"
+    return "abort" if section.partial_rollouts else None
 
 
 def lora_settings(recipe: Recipe) -> LoraSettings | None:

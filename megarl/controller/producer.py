@@ -37,8 +37,11 @@ class RolloutProducer:
     """Admits prompt batches to the fleet and fills the buffer with their complete groups; see the module
     docstring. `admit`/`regenerate` run on the controller's thread, the row callbacks on the fleet's loop."""
 
-    def __init__(self, fleet, buffer: GroupBuffer, *, sampling: SamplingSettings, rollout_n: int):
+    def __init__(self, fleet, buffer: GroupBuffer, *, sampling: SamplingSettings, rollout_n: int,
+                 per_token_versions: bool = False):
+        """`per_token_versions`: weight updates happen while samples run (in place), so ask for every token's."""
         self.fleet, self.buffer, self.sampling, self.n = fleet, buffer, sampling, rollout_n
+        self.per_token_versions = per_token_versions
         self._lock = threading.Lock()
         self._generating = 0  # groups admitted and not yet complete
         self._seq = 0
@@ -113,7 +116,8 @@ class RolloutProducer:
                 if all(slots[row] is not None for row in span):
                     self._complete(groups[index], [slots[row] for row in span])
 
-        future = self.fleet.start_generation(gen, self.sampling, seed=seed, on_rows=on_rows)
+        future = self.fleet.start_generation(gen, self.sampling, seed=seed, on_rows=on_rows,
+                                             **({"per_token_versions": True} if self.per_token_versions else {}))
         self._futures.add(future)
         future.add_done_callback(self._finished)
 
