@@ -169,6 +169,9 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
     fleet = _start_fleet(recipe, engines.actor, pool=pools["rollout"], weights=weights, data=data, api_key=api_key,
                          run_dir=run_dir, log_dir=log_dir, cleanup=cleanup)
     roles.rollout = memory.fleet = fleet
+    if memory.enabled:
+        # A restarted server gets the current weights while the engines sleep: the actor wakes for a full sync.
+        fleet.set_resync(lambda: memory.sync_from_sleep(lambda: fleet.sync_weights(version=fleet.synced_version)))
     roles.reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
                                      api_key=api_key, run_dir=run_dir, cleanup=cleanup)
     memory.sync_from_sleep(lambda: roles.sync_weights(version=version))  # the fleet generates first
