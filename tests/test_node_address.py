@@ -2,8 +2,9 @@
 
 Under Debian's default /etc/hosts the hostname resolves to 127.0.1.1: a process-group master or a
 weight-update group's TCP store advertised there is unreachable from every other node. The tests
-make the hostname resolve to 127.0.1.1 and check that the engine master and the distributed
-transport advertise the address Ray uses (or the named interface) instead.
+make the hostname resolve to 127.0.1.1 and check that the engine master, the distributed
+transport and servers bound to the node advertise the address Ray uses (or the named interface)
+instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from megarl.cluster.engine_worker import MegatronWorker
 from megarl.ports import NODE_IFACE_ENV, node_address
+from megarl.rollout.server_host import bind_address
 from megarl.weightsync.distributed_transport import _master_address
 
 RAY_NODE_IP = "10.20.30.40"  # what Ray advertises for this node in these tests
@@ -49,3 +51,10 @@ def test_a_named_interface_wins_over_ray(debian_hostname, monkeypatch):
     monkeypatch.setenv(NODE_IFACE_ENV, "nosuchif0")
     with pytest.raises(OSError):
         node_address()
+
+
+def test_servers_bound_to_the_node_listen_on_the_same_address(debian_hostname, monkeypatch):
+    assert bind_address("node") == RAY_NODE_IP
+    monkeypatch.setenv(NODE_IFACE_ENV, "lo")
+    assert bind_address("node") == "127.0.0.1"
+    assert bind_address("10.9.8.7") == "10.9.8.7"  # an address the recipe names is used as it is
