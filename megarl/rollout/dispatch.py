@@ -66,6 +66,7 @@ async def generate_rows(
     request: Request,
     max_attempts: int,
     on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
+    lora_path: str | None = None,
     stream: Stream | None = None,
 ) -> list[GenerationResult]:
     """One result per prompt row, in row order; `groups` partition the rows into shared-prompt requests.
@@ -86,7 +87,8 @@ async def generate_rows(
         pending, attempt = list(rows), 0
         while pending:
             attempt += 1
-            body = generate_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, return_logprob=True)
+            body = generate_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, return_logprob=True,
+                                 lora_path=lora_path)
             target = await targets.acquire()
             try:
                 if stream is None:
