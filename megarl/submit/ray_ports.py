@@ -18,9 +18,15 @@ from dataclasses import dataclass
 from megarl.ports import port_is_free
 
 FIRST_PORT = 10000
-BLOCK_SIZE = 200
+# Every Ray worker process (a task worker, an actor, a driver) binds one port of the worker range, and
+# Ray keeps up to one idle task worker per CPU: a 128-CPU node needs about 128 + its actors (~40 for 8
+# GPUs with colocated roles and servers). NeMo-RL's ray.sub gives 128-CPU nodes 513 worker ports; 512
+# here leave three times the need, rather than capping Ray's workers (which stalls task-heavy rewards).
+WORKER_PORTS = 512
+WORKER_OFFSET = 18
+BLOCK_SIZE = WORKER_OFFSET + WORKER_PORTS
 # Blocks end below 32768, where Linux draws the ephemeral ports of outgoing connections.
-NUM_BLOCKS = 110
+NUM_BLOCKS = (32768 - FIRST_PORT) // BLOCK_SIZE
 NAMED_PORTS = (
     "gcs",
     "node_manager",
@@ -31,7 +37,6 @@ NAMED_PORTS = (
     "metrics_export",
     "runtime_env_agent",
 )
-WORKER_OFFSET = 10
 BASE_OVERRIDE_ENV = "MEGARL_RAY_PORT_BASE"
 
 
