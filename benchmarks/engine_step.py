@@ -99,8 +99,9 @@ def _rank(rank: int, port: int, layout: dict, args: argparse.Namespace, out_dir:
                                   warmup_steps=0, schedule="constant", min_lr=0.0, total_steps=args.steps)
     engine = PolicyEngine(hf_config=hf_config(args), weights=None, seed=0, params_dtype=None,
                           transformer_impl=args.transformer_impl, optimizer=optimizer)
-    loss = PolicyLossSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
-                              entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0, kl_loss_type="low_var_kl")
+    loss = PolicyLossSettings(policy_loss="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+                              loss_agg_mode="token-mean", entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.0,
+                              kl_loss_type="low_var_kl")
     batch = gsm8k_like_batch(args.rows, seed=1, vocab=args.vocab)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     shard = {key: value.chunk(dp_size)[dp_rank] for key, value in batch.items()}

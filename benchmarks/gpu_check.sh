@@ -6,14 +6,16 @@
 # Runs every test marked `gpu` (tests that need CUDA: the engine on CUDA against HF
 # transformers, Transformer Engine against local layers, offload/onload, CUDA IPC and
 # NCCL weight sync) plus the quick CPU tests that pin megatron-core's API (layer-spec
-# names, engine imports), then writes the results as JSON (default gpu_check.json)
-# and exits non-zero on any failure, or when CUDA is missing. It finishes in a few
-# minutes (pytest is stopped after 330 s).
+# names, engine imports), then writes the results as JSON (default gpu_check.json),
+# prints which tests ran and which were skipped and why, and exits non-zero on any
+# failure, or when CUDA is missing. It finishes in a few minutes (pytest is stopped
+# after 330 s).
 #
 # The machine needs Python 3.12 and torch with CUDA (its image has torch, transformers,
 # triton, safetensors and pytest). megatron-core and the small packages megarl imports
 # travel as wheels in DIR (default: ./gpu_wheels); build DIR where a package index is
-# reachable, with the same Python minor version as the GPU machine's:
+# reachable, with any local Python: the wheels are chosen for the GPU machine's
+# (CPython 3.12, x86_64 manylinux2014 or manylinux_2_28; GPU_PYTHON=3.x picks another version):
 #
 #   bash benchmarks/gpu_check.sh --download gpu_wheels      # ~12 MB, no torch
 #
@@ -36,9 +38,16 @@ while [ $# -gt 0 ]; do
         --wheels) WHEELS=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         --download)
-            python3 -m pip download --dest "$2" --no-deps --only-binary=:all: megatron-core || exit 1
-            python3 -m pip download --dest "$2" --only-binary=:all: $PACKAGES || exit 1
-            echo "wheels for $(python3 -c 'import sys; print(sys.version.split()[0])') in $2: carry the dir along"
+            # For the GPU machine's Python, not this one's: megatron-core >= 0.17 needs 3.12, and
+            # compiled wheels (pydantic-core, pyyaml, aiohttp) are built per Python version.
+            # megatron-core's wheels are tagged manylinux_2_28 only: with manylinux2014 alone pip
+            # silently falls back to megatron-core 0.3.0 (2023, pure Python), hence the second
+            # platform (torch's CUDA wheels need glibc 2.28 too) and the version floor.
+            target="--python-version ${GPU_PYTHON:-3.12} --platform manylinux2014_x86_64"
+            target="$target --platform manylinux_2_28_x86_64 --only-binary=:all:"
+            python3 -m pip download --dest "$2" --no-deps $target "megatron-core>=0.16" || exit 1
+            python3 -m pip download --dest "$2" $target $PACKAGES || exit 1
+            echo "wheels for CPython ${GPU_PYTHON:-3.12} (x86_64 manylinux) in $2: carry the dir along"
             exit 0 ;;
         *) echo "usage: $0 [--wheels DIR] [--out FILE] | --download DIR" >&2; exit 2 ;;
     esac
@@ -75,47 +84,4 @@ start=$(date +%s)
 timeout 330 python3 -m pytest $API_TESTS $GPU_TESTS -p no:cacheprovider -rA \
     -m "gpu or not (dist or slow or e2e)" --junitxml="$work/junit.xml" | tee "$work/pytest.log"
 rc=${PIPESTATUS[0]}
-python3 - "$work/junit.xml" "$OUT" "$rc" "$(( $(date +%s) - start ))" <<'EOF'
-import importlib.util, json, platform, sys, warnings, xml.etree.ElementTree as ET
-warnings.simplefilter("ignore")  # megatron warns at import that TE and apex are missing
-import torch
-
-junit, out, rc, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-tests = []
-try:
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome, message = tag if tag != "failure" else "failed", node.get("message", "")
-        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": float(case.get("time", 0)), "message": message[:500]})
-except (OSError, ET.ParseError) as error:  # pytest killed by the timeout, or did not start
-    tests.append({"test": "pytest", "outcome": "error", "seconds": 0.0, "message": str(error)})
-counts = {kind: sum(t["outcome"] == kind for t in tests) for kind in ("passed", "failed", "error", "skipped")}
-try:
-    import megatron.core
-    megatron_version = megatron.core.__version__
-except ImportError:
-    megatron_version = None
-report = {
-    "ok": rc == 0 and counts["failed"] == 0 and counts["error"] == 0 and counts["passed"] > 0,
-    "pytest_exit_code": rc, "seconds": seconds, "counts": counts,
-    "environment": {
-        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "megatron_core": megatron_version,
-        "importable": {name: importlib.util.find_spec(name) is not None
-                       for name in ("transformer_engine", "sglang", "ray")},
-    },
-    "tests": tests,
-}
-with open(out, "w") as handle:
-    json.dump(report, handle, indent=2)
-print(f"gpu_check: {counts} in {seconds} s -> {out}")
-for test in tests:
-    if test["outcome"] == "skipped":
-        print(f"  skipped {test['test']}: {test['message']}")
-sys.exit(0 if report["ok"] else 1)
-EOF
+python3 benchmarks/gpu_report.py "$work/junit.xml" "$OUT" "$rc" "$(( $(date +%s) - start ))"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from megarl.bench import Column, Report
 from megarl.bench.run import run_bench
-from megarl.controller.ray_cluster import start_local_ray
+from megarl.cluster.ray_cluster import start_local_ray
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 BASE = ["data.train_batch_size=32"]

@@ -91,7 +91,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from megarl.controller.plots import plot_runs
+    from megarl.tracking.plots import plot_runs
 
     out = plot_runs([args.run_dir, *args.compare], out=args.out)
     print(f"plot written: {out}")
@@ -102,7 +102,7 @@ def _cmd_train_rm(args: argparse.Namespace) -> int:
     from megarl.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    from megarl.controller.rm_training import train_reward_model
+    from megarl.commands.rm_training import train_reward_model
 
     result = train_reward_model(recipe, ray_address=args.ray_address)
     print(f"reward model written: {result.path} (validation accuracy {result.val_accuracy:.3f} after {result.steps} "
@@ -114,7 +114,7 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     from megarl.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    from megarl.controller.warmup import warm_up
+    from megarl.commands.warmup import warm_up
 
     out = warm_up(recipe, args.hf, ray_address=args.ray_address)
     print(f"warmed-up policy written: {out} (start runs from it with --set model.path={out} "

@@ -109,6 +109,7 @@ class Registry:
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", builtins="megarl.algorithms.advantages")
 LOSS_AGG_MODES = Registry("loss_agg_mode", builtins="megarl.algorithms.losses")
+POLICY_LOSSES = Registry("policy loss", builtins="megarl.algorithms.policy_losses")
 KL_PENALTIES = Registry("KL penalty kind", builtins="megarl.algorithms.kl")
 REWARD_SCORERS = Registry("built-in scorer", builtins="megarl.rewards.registry")
 REWARD_COMBINE_MODES = Registry("reward.combine mode", builtins="megarl.rewards.combine")

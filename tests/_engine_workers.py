@@ -172,8 +172,10 @@ def _hf_grads(engine) -> dict[str, torch.Tensor]:
     return megatron_to_hf(grads, engine.model.arch)
 
 
-def actor_outputs(*, rank: int, checkpoint: str, batch: dict, ppo: dict, sft_batch: dict, other_weights: dict) -> dict:
-    """Everything the actor tests assert on, from one process (three engines)."""
+def actor_outputs(*, rank: int, checkpoint: str, batch: dict, ppo: dict, sft_batch: dict, other_weights: dict,
+                  other_losses: dict) -> dict:
+    """Everything the actor tests assert on, from one process (three engines); `other_losses` maps a label to
+    the loss settings (over `ppo`) whose gradient the test also reads."""
     out: dict = {}
     response_length = batch["response_mask"].shape[1]
     lp_rows = log_prob_rows(batch, response_length)
@@ -188,6 +190,10 @@ def actor_outputs(*, rank: int, checkpoint: str, batch: dict, ppo: dict, sft_bat
     rows = batch["input_ids"].shape[0]
     for label, micro in (("grads_1mb", rows), ("grads_2mb", rows // 2), ("grads_uneven", 4)):
         metrics = grad_engine.update(batch, policy_update(micro_batch_size=micro, **ppo))
+        out[label] = _hf_grads(grad_engine)
+        out[label + "_metrics"] = metrics
+    for label, loss in other_losses.items():
+        metrics = grad_engine.update(batch, policy_update(micro_batch_size=rows // 2, **{**ppo, **loss}))
         out[label] = _hf_grads(grad_engine)
         out[label + "_metrics"] = metrics
 

@@ -13,7 +13,7 @@ from megarl.config.settings import (
 
 WHOLE_SHARD = 1 << 30  # a mini-batch size no test reaches: one optimizer step per update call
 # A PPO loss with every term on (asymmetric clip, dual clip, entropy bonus, KL loss): what the engine tests check.
-FULL_PPO_LOSS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+FULL_PPO_LOSS = dict(policy_loss="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                      entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl")
 
 
@@ -31,7 +31,7 @@ def policy_update(*, micro_batch_size: int, max_tokens: int | None = None, epoch
                   mini_batch_size: int = WHOLE_SHARD, shuffle: bool = False, seed: int = 0,
                   temperature: float = 1.0, **loss) -> PolicyUpdateSettings:
     """`loss` overrides the PPO loss fields (clip_ratio_low=..., loss_agg_mode=..., ...)."""
-    fields = dict(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+    fields = dict(policy_loss="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                   entropy_coeff=0.0, use_kl_loss=False, kl_loss_coef=0.001, kl_loss_type="low_var_kl")
     fields.update(loss)
     return PolicyUpdateSettings(epochs=epochs, mini_batch_size=mini_batch_size,

@@ -87,7 +87,7 @@ def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: st
 
     Returns, on trainer rank 0, each push's metrics, the server's digests and reported version after it.
     """
-    from megarl.controller.engine_worker import MegatronWorker
+    from megarl.cluster.engine_worker import MegatronWorker
 
     worker = MegatronWorker(rank=rank, world_size=4)
     worker.engine = policy_engine(checkpoint)
@@ -114,7 +114,7 @@ def megatron_moe_ep_push(*, rank: int, checkpoint: str, url: str) -> dict | None
 
     Returns, on trainer rank 0, the push's metrics and the server's digests after it.
     """
-    from megarl.controller.engine_worker import MegatronWorker
+    from megarl.cluster.engine_worker import MegatronWorker
 
     worker = MegatronWorker(rank=rank, world_size=2)
     worker.engine = policy_engine(checkpoint)

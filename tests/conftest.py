@@ -26,7 +26,7 @@ def ray_session():
     """A local Ray cluster shared by every test of the session."""
     import ray
 
-    from megarl.controller.ray_cluster import new_temp_dir, start_local_ray
+    from megarl.cluster.ray_cluster import new_temp_dir, start_local_ray
 
     tmp = new_temp_dir()
     start_local_ray(temp_dir=tmp, num_cpus=4)
@@ -41,8 +41,8 @@ def warmed_quickstart(ray_session, tmp_path_factory) -> Path:
     made once per session. The learning tests start RL from it (`model.path`, `sft_warmup.steps=0`), which is
     where their recipes' own warm-up would leave them: the GRPO, PPO and reward-model quickstarts share one
     model, one data set and one `sft_warmup`."""
+    from megarl.commands.warmup import warm_up
     from megarl.config import load_recipe
-    from megarl.controller.warmup import warm_up
 
     root = tmp_path_factory.mktemp("warmed")
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml",

@@ -93,6 +93,17 @@ def test_valid_recipe_fills_defaults_and_derived_dp(cluster: Path) -> None:
     assert recipe.actor.optim.betas == (0.9, 0.999)
 
 
+def test_the_critics_loss_agg_mode_defaults_to_the_actors(cluster: Path) -> None:
+    # As verl's critic config: critic.loss_agg_mode = ${actor.loss_agg_mode} unless the recipe sets it.
+    assert load_recipe(cluster).critic.loss_agg_mode == "token-mean"
+    inherited = load_recipe(cluster, ["actor.loss_agg_mode=seq-mean-token-sum-norm"])
+    assert inherited.critic.loss_agg_mode == "seq-mean-token-sum-norm"
+    own = load_recipe(cluster, ["actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=token-mean"])
+    assert own.critic.loss_agg_mode == "token-mean"
+    (line,) = problems_of(cluster, ["critic.loss_agg_mode=mean"])
+    assert "critic.loss_agg_mode: unknown loss_agg_mode 'mean'; known: seq-mean-token-mean" in line
+
+
 def test_layout_resolution(cluster: Path) -> None:
     recipe = load_recipe(cluster)
     assert active_roles(recipe) == ("actor", "critic", "rollout")
@@ -572,7 +583,7 @@ def test_importing_config_pulls_no_heavy_dependencies() -> None:
 
 def test_throughput_counts_every_device_of_the_placement(cluster: Path) -> None:
     """perf/throughput divides by all devices the run holds, not the actor's pool (no Ray needed to plan)."""
-    from megarl.controller.placement import plan_pools, total_devices
+    from megarl.cluster.placement import plan_pools, total_devices
 
     disaggregated = plan_pools(load_recipe(cluster, [*DISAGGREGATED, "rollout.num_servers=2"]))
     assert disaggregated["actor"].world_size == 8 and total_devices(disaggregated) == 16

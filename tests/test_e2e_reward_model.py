@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from megarl.commands.rm_training import train_reward_model
 from megarl.config import load_recipe
-from megarl.controller.rm_training import train_reward_model
 from megarl.controller.run import train
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-rm-cpu.yaml"

@@ -31,6 +31,13 @@ METRICS = {
 }
 
 
+# The other registered policy losses through the engine, each with another aggregation and KL kind.
+OTHER_LOSSES = {
+    "gspo": dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", kl_loss_type="k3+"),
+    "cispo": dict(policy_loss="cispo", loss_agg_mode="seq-mean-token-sum-norm", kl_loss_type="kl"),
+}
+
+
 def _hf_model():
     return tiny_model("qwen2", seed=5, vocab_size=200, attn_implementation="eager")
 
@@ -71,6 +78,27 @@ def _surrogate(log_probs, old, advantages, mask, low=0.2, high=0.28, dual=3.0):
     return (per_token * mask).sum() / mask.sum()
 
 
+def _other_loss(name: str, log_probs, entropy, batch, mask) -> torch.Tensor:
+    """GSPO or CISPO written out per token as verl 0.9.1 defines them, with the entropy bonus and the KL loss of
+    OTHER_LOSSES[name], aggregated as its loss_agg_mode; sg = detach."""
+    old, advantages, ref = batch["old_log_probs"], batch["advantages"], batch["ref_log_prob"]
+    lengths = mask.sum(-1)
+    if name == "gspo":  # sequence ratio s_i = exp(mean_t log-ratio), its gradient through each token's log-prob
+        seq = ((log_probs - old) * mask).sum(-1) / lengths
+        ratio = torch.exp(seq.detach().unsqueeze(-1) + log_probs - log_probs.detach())
+        per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.28))
+        k2 = 0.5 * (log_probs - ref) ** 2  # k3+: k3's value, k2's gradient
+        log_ratio = ref - log_probs
+        kl = k2 - k2.detach() + (torch.exp(log_ratio) - log_ratio - 1).clamp(-10, 10).detach()
+        agg = lambda x: ((x * mask).sum(-1) / lengths).mean()  # noqa: E731  seq-mean-token-mean
+    else:  # cispo: -sg(clip(ratio)) * A * logp
+        weight = torch.exp(log_probs - old).clamp(0.8, 1.28).detach()
+        per_token = -weight * advantages * log_probs
+        kl = log_probs - ref
+        agg = lambda x: (x * mask).sum() / (mask.shape[0] * mask.shape[1])  # noqa: E731  seq-mean-token-sum-norm
+    return agg(per_token) - 0.01 * agg(entropy) + 0.1 * agg(kl)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model = _hf_model()
@@ -82,7 +110,8 @@ def setup(tmp_path_factory):
     sft_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")} | {"loss_mask": sft_mask}
     other = {name: torch.randn_like(t) for name, t in model.state_dict().items() if name != "lm_head.weight"}
     (out,) = run_spawned(
-        actor_outputs, checkpoint=str(path), batch=batch, ppo=PPO, sft_batch=sft_batch, other_weights=other
+        actor_outputs, checkpoint=str(path), batch=batch, ppo=PPO, sft_batch=sft_batch, other_weights=other,
+        other_losses=OTHER_LOSSES,
     )
     return model, batch, sft_batch, other, out
 
@@ -118,6 +147,25 @@ def test_gradient_matches_hf_autograd_and_ignores_micro_batch_split(setup):
     assert metrics["actor/pg_loss"] == pytest.approx(pg.item(), abs=1e-5)
     assert metrics["actor/kl_loss"] == pytest.approx(token_mean(k3).item(), abs=1e-5)
     assert metrics["actor/lr"] == 0.0
+
+
+@pytest.mark.parametrize("name", list(OTHER_LOSSES))
+def test_other_policy_losses_reach_the_engine_and_match_hf_autograd(setup, name):
+    model, batch, _, _, out = setup
+    mask = batch["response_mask"].float()
+    assert (mask.sum(-1) > 0).all()  # every row is a sequence of S (the aggregation above assumes it)
+    log_probs, entropy = _response_log_probs(
+        model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], with_entropy=True
+    )
+    model.zero_grad()
+    _other_loss(name, log_probs, entropy, batch, mask).backward()
+    expected = {param_name: p.grad for param_name, p in model.named_parameters()}
+    scale = max(g.abs().max() for g in expected.values())
+    for param_name, grad in out[name].items():
+        assert torch.allclose(grad, expected[param_name], atol=1e-5 * scale, rtol=1e-4), (name, param_name)
+    # Not the PPO gradient: the loss name reached the engine.
+    ppo_grad = out["grads_1mb"]["model.embed_tokens.weight"]
+    assert not torch.allclose(out[name]["model.embed_tokens.weight"], ppo_grad, atol=1e-3 * scale)
 
 
 def test_update_changes_weights_and_reduces_the_surrogate(setup):

@@ -1,5 +1,6 @@
 """The TrainEngine seam: the Megatron engines offer every protocol method with the protocol's signature,
-and the controller reaches engines through those methods alone (an ast walk of megarl/controller)."""
+and the packages above them (the engine worker in megarl/cluster, the run in megarl/controller, the other
+commands in megarl/commands) reach engines through those methods alone (an ast walk of those packages)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from megarl.engines.protocol import TrainEngine
 
-CONTROLLER = Path(__file__).resolve().parents[1] / "megarl" / "controller"
+PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
+ABOVE_THE_ENGINES = [PACKAGE / name for name in ("cluster", "controller", "commands", "bench")]
 MEMBERS = sorted(name for name, value in vars(TrainEngine).items()
                  if callable(value) and not name.startswith("_"))
 
@@ -36,9 +38,9 @@ def test_megatron_engines_implement_it_with_the_same_signatures(engine):
         assert list(ours.parameters) == list(theirs.parameters), (engine, member)
 
 
-def test_the_controller_uses_only_protocol_methods_of_an_engine():
+def test_the_packages_above_the_engines_use_only_protocol_methods():
     used = set()
-    for path in CONTROLLER.glob("*.py"):
+    for path in (path for package in ABOVE_THE_ENGINES for path in package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             # self.engine.<name>: what the worker calls on its engine
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)

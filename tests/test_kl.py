@@ -39,6 +39,27 @@ def test_kl_aliases_and_unknown_kind():
         kl_penalty(LOGP, REF, "full")
 
 
+@pytest.mark.parametrize("kind", ["k3+", "low_var_kl+"])
+def test_k3_plus_has_k3s_value_and_k2s_gradient(kind):
+    # verl's straight-through variant (kl_penalty with a '+' suffix), written out from its definition: the
+    # forward value is k3 = e^d - d - 1 with d = ref - logp clamped to [-20, 20] and k3 to [-10, 10] (one entry
+    # of these inputs reaches the clamp), the gradient w.r.t. logp is k2's, logp - ref, clamped or not.
+    torch.manual_seed(0)
+    log_prob = (torch.randn(4, 6) - 1.0).requires_grad_()
+    ref = torch.randn(4, 6) - 1.0
+    out = kl_penalty(log_prob, ref, kind)
+    diff = (ref - log_prob).detach().clamp(-20.0, 20.0)
+    expected = (torch.exp(diff) - diff - 1.0).clamp(-10.0, 10.0)
+    assert (expected == 10.0).any() and (expected < 10.0).any()
+    torch.testing.assert_close(out.detach(), expected, atol=1e-6, rtol=1e-6)
+    weights = torch.randn(4, 6)  # an arbitrary upstream gradient
+    (out * weights).sum().backward()
+    torch.testing.assert_close(log_prob.grad, weights * (log_prob.detach() - ref), atol=1e-6, rtol=1e-6)
+    # Under no_grad (KL in the reward) it is k3 itself.
+    with torch.no_grad():
+        torch.testing.assert_close(kl_penalty(log_prob, ref, kind), kl_penalty(log_prob, ref, "k3"))
+
+
 def test_low_var_kl_clamping():
     log_prob = torch.tensor([0.0, 30.0, 0.0, -3.0])
     ref = torch.tensor([30.0, 0.0, -1e9, 0.0])

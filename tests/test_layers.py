@@ -2,10 +2,12 @@
 
 Each package may import only itself and the packages above it in the table; the
 top-level helper modules (`megarl/atomic.py`, `errors.py`, `ports.py`, `registry.py`) may be
-imported from anywhere and import no package. Two seams the table alone does not
+imported from anywhere and import no package. Seams the table alone does not
 show are checked too: production weight sync never reaches into the CPU test
-engine, and Ray placement (placement groups, scheduling strategies) is the
-controller's alone.
+engine; Ray placement (placement groups, scheduling strategies) is megarl/cluster's
+alone; the run (megarl/controller), the other commands and the metric sinks never
+import Ray (they reach it through megarl/cluster); and no two modules import each
+other, directly or around a loop.
 """
 
 from __future__ import annotations
@@ -91,10 +93,10 @@ def test_weight_sync_never_imports_the_cpu_engine():
     assert not offending, offending
 
 
-def test_ray_placement_lives_in_the_controller_only():
+def test_ray_placement_lives_in_the_cluster_only():
     offending = []
     for path in SOURCES:
-        if _module_name(path).startswith("megarl.controller"):
+        if _module_name(path).startswith("megarl.cluster"):
             continue
         for line, name in _imports(path):
             if name.rsplit(".", 1)[-1] in PLACEMENT_NAMES or name.startswith("ray.util.placement_group"):
@@ -102,8 +104,53 @@ def test_ray_placement_lives_in_the_controller_only():
     assert not offending, offending
 
 
-@pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "LOSS_AGG_MODES", "KL_PENALTIES",
-                                           "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
+@pytest.mark.parametrize("package", ["megarl.controller", "megarl.commands", "megarl.tracking"])
+def test_the_run_reaches_ray_through_the_cluster_package(package):
+    offending = [f"{path.relative_to(ROOT)}:{line}: {name}"
+                 for path in SOURCES if _module_name(path).startswith(package)
+                 for line, name in _imports(path) if name == "ray" or name.startswith("ray.")]
+    assert not offending, offending
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """megarl module -> the megarl modules it imports, at any depth (`from pkg import mod` is an arrow to mod
+    alone: it runs pkg/__init__ only if that has not begun, so it closes no loop through pkg)."""
+    modules = {_module_name(path) for path in SOURCES}
+    graph = {}
+    for path in SOURCES:
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & modules
+                targets |= submodules if len(submodules) == len(node.names) else {node.module} | submodules
+        graph[_module_name(path)] = {name for name in targets if name in modules and name != _module_name(path)}
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _module_graph()
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module, stack):
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack + [target])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "LOSS_AGG_MODES",
+                                           "KL_PENALTIES", "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
 def test_each_registry_loads_its_builtins_from_a_lower_layer(registry_name):
     import megarl.registry
 

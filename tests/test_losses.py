@@ -97,7 +97,9 @@ def test_micro_batches_with_global_normalisers_sum_to_the_full_batch(mode):
     assert sum(parts).item() == pytest.approx(full.item())
 
 
-# ---------------------------------------------------------------- policy_loss
+# ---------------------------------------------------------------- policy_loss: ppo_clip
+
+PPO = dict(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
 
 
 def test_policy_loss_clip_regions_by_hand():
@@ -108,7 +110,7 @@ def test_policy_loss_clip_regions_by_hand():
     old = torch.zeros(1, 6)
     log_prob = ratios.log().requires_grad_(True)
     mask = torch.ones(1, 6)
-    loss, metrics = policy_loss(old, log_prob, advantages, mask, 0.2, 0.2, 3.0, "token-mean")
+    loss, metrics = policy_loss("ppo_clip", old, log_prob, advantages, mask, **PPO)
     per_token = [-1.2, 1.5, 3.0, -0.5, 0.8, -2.2]
     assert loss.item() == pytest.approx(sum(per_token) / 6)
     # pg_clipfrac counts tokens where the clipped term is the larger: (1.5, +1) and (0.5, -1).
@@ -127,7 +129,7 @@ def test_policy_loss_gradient_direction():
     old = torch.zeros(2, 3)
     log_prob = torch.zeros(2, 3, requires_grad=True)
     advantages = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
-    loss, _ = policy_loss(old, log_prob, advantages, torch.ones(2, 3))
+    loss, _ = policy_loss("ppo_clip", old, log_prob, advantages, torch.ones(2, 3), **PPO)
     loss.backward()
     # A gradient step (minus the gradient) raises log-probs of good actions and lowers bad ones.
     assert (log_prob.grad[0] < 0).all() and (log_prob.grad[1] > 0).all()
@@ -138,7 +140,7 @@ def test_policy_loss_asymmetric_clip_masking_and_far_off_policy():
     log_prob = torch.tensor([[math.log(1.25), math.log(1.25), 50.0, 0.0]])
     advantages = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    loss, metrics = policy_loss(old, log_prob, advantages, mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss, metrics = policy_loss("ppo_clip", old, log_prob, advantages, mask, **{**PPO, "clip_ratio_high": 0.28})
     # ratio 1.25 is inside [0.8, 1.28]; exp(50) is clamped to exp(20) then clipped to 1.28.
     assert loss.item() == pytest.approx((-1.25 - 1.25 - 1.28) / 3)
     assert metrics["actor/pg_clipfrac"].item() == pytest.approx(1 / 3)
@@ -148,7 +150,8 @@ def test_policy_loss_asymmetric_clip_masking_and_far_off_policy():
 
 def test_policy_loss_rejects_clip_ratio_c_not_above_one():
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1, got 1.0"):
-        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1), clip_ratio_c=1.0)
+        policy_loss("ppo_clip", torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+                    **{**PPO, "clip_ratio_c": 1.0})
 
 
 # ---------------------------------------------------------------- value_loss

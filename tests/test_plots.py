@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megarl.cli import main
-from megarl.controller.plots import PANELS, PHASES, build_figure
+from megarl.tracking.plots import PANELS, PHASES, build_figure
 
 RECORDED = Path(__file__).parent / "fixtures" / "metrics_ppo.jsonl"
 

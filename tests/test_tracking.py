@@ -13,8 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megarl.algorithms.kl import AdaptiveKLController
 from megarl.controller import run_state
-from megarl.controller.metrics_file import read_metrics
-from megarl.controller.tracking import Tracker
+from megarl.tracking.metrics_file import read_metrics
+from megarl.tracking.tracker import Tracker
 
 
 def _log_steps(run_dir, steps, *, value, resume_step=None, wandb=None):
@@ -46,7 +46,7 @@ def test_a_resume_redoes_the_steps_after_its_checkpoint_once_in_jsonl_and_tensor
 
 def test_wandb_sink_is_offline_and_keeps_one_run_id_across_resumes(tmp_path, monkeypatch):
     # wandb comes with the `test` extra (a run needs the `wandb` extra only when the sink is enabled).
-    from megarl.controller.wandb_sink import ID_FILE, WandbSink
+    from megarl.tracking.wandb_sink import ID_FILE, WandbSink
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     ids = []

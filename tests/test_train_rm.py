@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megarl.cli import main
+from megarl.commands.rm_training import train_reward_model
 from megarl.config import load_recipe
-from megarl.controller.rm_training import train_reward_model
 from megarl.data.preference import write_pairs
 from megarl.data.rm_inputs import RewardModelInputs
 from megarl.data.tokenizer import load_tokenizer

@@ -3,8 +3,8 @@
 Tensors in, tensors out, explicit keyword arguments (never a config object),
 shapes in every docstring (`[B, R]` = batch x response length). Names from
 recipes resolve through the registries of `megarl.registry`
-(`ADVANTAGE_ESTIMATORS`, `KL_PENALTIES`, `LOSS_AGG_MODES`), which the modules
-here fill. Importing this package loads torch and numpy only (no megatron,
+(`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_PENALTIES`, `LOSS_AGG_MODES`),
+which the modules here fill (the policy losses in `policy_losses/`, one file each). Importing this package loads torch and numpy only (no megatron,
 sglang or ray), so it runs on the controller and in CPU tests.
 """
 
@@ -24,7 +24,7 @@ from megarl.algorithms.kl import (
     entropy_from_logits,
     kl_penalty,
 )
-from megarl.algorithms.losses import agg_loss, policy_loss, value_loss
+from megarl.algorithms.losses import agg_loss, policy_loss, policy_loss_fn, value_loss
 from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algorithms.metrics import (
     OVERLAPPED_TIMINGS,
@@ -56,6 +56,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_loss",
+    "policy_loss_fn",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "rloo",

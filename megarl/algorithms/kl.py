@@ -39,12 +39,21 @@ def _k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(estimate, min=-10.0, max=10.0)
 
 
+@KL_PENALTIES.register("low_var_kl+", "k3+")
+def _k3_value_k2_gradient(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    # k3's expectation is the KL, but the expectation of its gradient is not the KL's gradient; k2's is.
+    # Straight-through: k3's value in the forward pass, k2's gradient in the backward pass.
+    k2 = _k2(log_prob, ref_log_prob)
+    return k2 - k2.detach() + _k3(log_prob, ref_log_prob).detach()
+
+
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate `[B, R]` from policy and reference log-probs `[B, R]`.
 
     Kinds: `kl`/`k1` logp - ref; `abs` |logp - ref|; `mse`/`k2`
     0.5 (logp - ref)^2; `low_var_kl`/`k3` exp(ref - logp) - (ref - logp) - 1
-    with ref - logp clamped to [-20, 20] and the result to [-10, 10].
+    with ref - logp clamped to [-20, 20] and the result to [-10, 10];
+    `low_var_kl+`/`k3+` k3's value with k2's gradient, logp - ref (straight-through).
     Unknown kind -> ValueError listing the known ones.
     """
     return KL_PENALTIES.get(kind).target(log_prob, ref_log_prob)

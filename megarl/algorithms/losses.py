@@ -1,8 +1,11 @@
-"""PPO policy and value losses and the loss aggregation modes.
+"""The loss aggregation modes, the policy-loss registry and its entry point, and the PPO value loss.
 
 Losses are built per token as `[B, R]` matrices and reduced by `agg_loss`,
 whose mode decides how tokens and sequences are weighted (token-mean,
-seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm).
+seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm). The policy
+losses themselves (`ppo_clip`, `gspo`, `cispo`) are one module each in
+`megarl.algorithms.policy_losses`, registered with `policy_loss_fn` and called
+through `policy_loss`.
 
 Metrics are returned as 0-d tensors detached from the graph, not Python
 floats: an engine can stack and all-reduce them across data-parallel ranks
@@ -11,10 +14,16 @@ and micro-batches before a single `.item()`, instead of one sync per metric.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
 
 from megarl.algorithms.masked import masked_count, masked_mean, masked_sum
-from megarl.registry import LOSS_AGG_MODES
+from megarl.registry import LOSS_AGG_MODES, POLICY_LOSSES
+
+# The recipe's `actor.*` settings a policy loss may take, by parameter name.
+POLICY_LOSS_OPTIONS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
 
 # A token or sequence count to divide by instead of the local one (see agg_loss).
 Normaliser = float | torch.Tensor | None
@@ -88,49 +97,53 @@ def agg_loss(
     return reduce(loss_mat, loss_mask, global_tokens, global_seqs)
 
 
+def policy_loss_fn(name: str) -> Callable[[Callable], Callable]:
+    """Register a per-token policy loss under `name` (`actor.policy_loss`) in `POLICY_LOSSES`.
+
+    The function takes `(old_log_prob, log_prob, advantages, response_mask)` `[B, R]` and, as keyword-only
+    parameters, the options it uses from `POLICY_LOSS_OPTIONS`; it returns the per-token loss `[B, R]` and
+    its metrics (0-d, detached). `policy_loss` aggregates the per-token loss, so every loss works with every
+    `loss_agg_mode`.
+    """
+
+    def decorator(fn: Callable) -> Callable:
+        params = inspect.signature(fn).parameters
+        options = tuple(p for p, spec in params.items() if spec.kind is inspect.Parameter.KEYWORD_ONLY)
+        unknown = [p for p in options if p not in POLICY_LOSS_OPTIONS]
+        if unknown:
+            raise TypeError(f"policy loss {name!r}: options {unknown} are not in {POLICY_LOSS_OPTIONS}")
+        POLICY_LOSSES.add(name, fn, options=options)
+        return fn
+
+    return decorator
+
+
 def policy_loss(
+    name: str,
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
     *,
+    loss_agg_mode: str,
     global_tokens: Normaliser = None,
     global_seqs: Normaliser = None,
+    **options: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PPO surrogate with dual clip; all tensors `[B, R]` -> (scalar loss, metrics).
+    """The policy loss `name` (`actor.policy_loss`); all tensors `[B, R]` -> (scalar loss, metrics).
 
-    ratio = exp(clamp(log_prob - old_log_prob, -20, 20)) (the clamp keeps exp
-    finite for far-off-policy tokens); per token
-        loss = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high)),
-    and for A < 0 additionally capped at -A * clip_ratio_c (dual clip: a huge
-    ratio on a bad action cannot blow up the loss). Metrics (0-d, detached):
-    `actor/pg_clipfrac` share of response tokens where the clip is active,
-    `actor/ppo_kl` masked mean of old_log_prob - log_prob,
-    `actor/pg_clipfrac_lower` share of response tokens where the dual clip is active.
+    The per-token loss of `name` reduced by `agg_loss` (`loss_agg_mode`, `global_tokens`, `global_seqs` as
+    there). `options` holds at least the options the loss declares (clip_ratio_low, ...); it takes only those.
+    Metrics (0-d, detached): `actor/pg_clipfrac`, `actor/ppo_kl`, `actor/pg_clipfrac_lower`.
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    pessimistic = torch.maximum(unclipped, clipped)
-    dual_cap = -advantages * clip_ratio_c
-    negative = advantages < 0
-    per_token = torch.where(negative, torch.minimum(pessimistic, dual_cap), pessimistic)
+    entry = POLICY_LOSSES.get(name)
+    missing = [option for option in entry.options if option not in options]
+    if missing:
+        raise ValueError(f"policy loss {name!r} needs the options {missing}")
+    per_token, metrics = entry.target(old_log_prob, log_prob, advantages, response_mask,
+                                      **{option: options[option] for option in entry.options})
     loss = agg_loss(per_token, response_mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
-
-    with torch.no_grad():
-        metrics = {
-            "actor/pg_clipfrac": masked_mean((clipped > unclipped).float(), response_mask),
-            "actor/ppo_kl": masked_mean(-log_ratio, response_mask),
-            "actor/pg_clipfrac_lower": masked_mean(((pessimistic > dual_cap) & negative).float(), response_mask),
-        }
-    return loss, {name: value.detach() for name, value in metrics.items()}
+    return loss, metrics
 
 
 def value_loss(

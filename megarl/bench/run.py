@@ -29,8 +29,8 @@ from megarl.bench.bounds import broadcast_seconds, disk_seconds, matmul_peak_tfl
 from megarl.bench.progress import BenchProgress
 from megarl.bench.report import Report
 from megarl.bench.step_report import BOUND_NAMES, Bound, Peak, build_report
+from megarl.cluster.placement import plan_pools, total_devices
 from megarl.config import Recipe, load_recipe
-from megarl.controller.placement import plan_pools, total_devices
 from megarl.controller.run import train
 from megarl.errors import InputError
 

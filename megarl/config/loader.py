@@ -129,11 +129,14 @@ def _validation_lines(error: ValidationError, origins: _Origins) -> list[str]:
     return lines
 
 
-def _fill_derived_parallel(recipe: Recipe) -> None:
-    """Write the derived dp of each active training role back, so the resolved recipe states it."""
+def _fill_derived(recipe: Recipe) -> None:
+    """Write the values other keys imply back, so the resolved recipe states them: the dp of each active
+    training role, and the critic's loss_agg_mode (the actor's unless given, as verl's critic config does)."""
     for role in active_roles(recipe):
         if role in TRAINING_ROLES:
             role_parallel(recipe, role).dp = training_layout(recipe, role).dp
+    if recipe.critic is not None and recipe.critic.loss_agg_mode is None:
+        recipe.critic.loss_agg_mode = recipe.actor.loss_agg_mode
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
@@ -157,5 +160,5 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     cross_field = check_recipe(recipe)
     if cross_field:
         raise InputError([f"{origins.source_of(problem.key.split('.'))}: {problem.line}" for problem in cross_field])
-    _fill_derived_parallel(recipe)
+    _fill_derived(recipe)
     return recipe

@@ -131,6 +131,13 @@ class RolloutConfig(Section):
         "(safe when several runs share a machine)",
     )
     mem_fraction: float = Field(0.8, gt=0.0, le=1.0, description="share of accelerator memory a server may take")
+    startup_timeout_s: PositiveFloat = Field(
+        900.0,
+        description="seconds a starting (or restarted) server may take to answer /health, rollout and judge "
+        "servers alike; a server that exits fails at once. 900: SGLang's own tests allow 600 s to launch their "
+        "8B model (Llama-3.1-8B) with CUDA-graph capture from a local disk; a fleet reads its checkpoint from a "
+        "shared filesystem, every server at once",
+    )
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang server arguments, passed through")
     engine_threads: PositiveInt = Field(1, description="torch threads of one CPU engine")
     routing: Literal["client", "router"] = Field(

@@ -40,8 +40,10 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class PolicyLossSettings:
-    """The PPO policy loss: clipping, aggregation, entropy bonus and the optional KL-to-reference term."""
+    """The policy loss (`policy_loss`, a `POLICY_LOSSES` name): clipping, aggregation, entropy bonus and the
+    optional KL-to-reference term."""
 
+    policy_loss: str
     clip_ratio_low: float
     clip_ratio_high: float
     clip_ratio_c: float
@@ -150,6 +152,7 @@ def policy_update_settings(recipe: Recipe) -> PolicyUpdateSettings:
         seed=recipe.seed,
         temperature=recipe.rollout.temperature,
         loss=PolicyLossSettings(
+            policy_loss=actor.policy_loss,
             clip_ratio_low=actor.clip_ratio_low,
             clip_ratio_high=actor.clip_ratio_high,
             clip_ratio_c=actor.clip_ratio_c,

@@ -22,7 +22,7 @@ from pydantic import (
     field_validator,
 )
 
-from megarl.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, Registry
+from megarl.registry import ADVANTAGE_ESTIMATORS, KL_PENALTIES, LOSS_AGG_MODES, POLICY_LOSSES, Registry
 
 
 def registered(registry: Registry) -> Any:
@@ -41,6 +41,7 @@ def registered(registry: Registry) -> Any:
 AdvantageEstimator = registered(ADVANTAGE_ESTIMATORS)
 KLPenalty = registered(KL_PENALTIES)
 LossAggMode = registered(LOSS_AGG_MODES)
+PolicyLoss = registered(POLICY_LOSSES)
 
 
 def _accepts_bool(annotation: Any) -> bool:
@@ -139,6 +140,13 @@ class ActorConfig(Section):
     )
     ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
     shuffle: bool = Field(True, description="shuffle samples before splitting into mini-batches")
+    policy_loss: PolicyLoss = Field(
+        "ppo_clip",
+        description="the policy loss: ppo_clip (the clipped PPO surrogate with dual clip), gspo (one ratio per "
+        "sequence, the geometric mean of its token ratios, clipped per sequence; its paper uses clip_ratio_low "
+        "3e-4 and clip_ratio_high 4e-4) or cispo (a clipped, detached importance weight times the log-prob; no "
+        "token's gradient is dropped). All read clip_ratio_low/high; only ppo_clip reads clip_ratio_c",
+    )
     clip_ratio_low: NonNegativeFloat = Field(0.2, description="PPO clip: ratio lower bound is 1 - clip_ratio_low")
     clip_ratio_high: NonNegativeFloat = Field(0.2, description="PPO clip: ratio upper bound is 1 + clip_ratio_high")
     clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip bound for negative advantages (> 1)")
@@ -167,7 +175,9 @@ class CriticConfig(Section):
     )
     ppo_epochs: PositiveInt = Field(1, description="passes over each step's batch")
     cliprange_value: PositiveFloat = Field(0.5, description="value clipping range around the old values")
-    loss_agg_mode: LossAggMode = Field("token-mean", description="how token value losses are averaged")
+    loss_agg_mode: LossAggMode | None = Field(
+        None, description="how token value losses are averaged; null = actor.loss_agg_mode (load_recipe fills it in)"
+    )
     warmup_steps: NonNegativeInt = Field(
         0,
         description="the first warmup_steps steps train only the critic; the actor is frozen and no weights "

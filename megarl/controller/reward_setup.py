@@ -13,11 +13,11 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.fleet import start_judge_fleet
 from megarl.config import Recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import combine_options, reward_scoring_batching
-from megarl.controller.engine_worker import start_engine_group
-from megarl.controller.fleet import start_judge_fleet
 from megarl.controller.judge import JudgeScorer
 from megarl.controller.reward_loop import ModelSide, RewardLoop
 from megarl.controller.roles import RewardModelRole

@@ -1,7 +1,7 @@
 """The role objects the step loop talks to: policy (actor/reference), critic, reward model, rollout fleet, reward loop.
 
 Each wraps a worker group or a service and exposes one method per phase, so
-the loop in `trainer.py` never sees Ray, HTTP or Megatron.
+the step (`step.py`) never sees Ray, HTTP or Megatron.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from megarl.algorithms.metrics import entropy_metric
+from megarl.cluster.memory import MemoryCycle, peak_memory_metrics
+from megarl.cluster.worker_group import WorkerGroup, mean_metrics
 from megarl.config.settings import (
     Batching,
     PolicyUpdateSettings,
@@ -19,9 +21,7 @@ from megarl.config.settings import (
     ValueUpdateSettings,
     WeightSyncSettings,
 )
-from megarl.controller.memory import MemoryCycle, peak_memory_metrics
 from megarl.controller.phases import apply_kl
-from megarl.controller.worker_group import WorkerGroup, mean_metrics
 from megarl.protocol import Batch
 
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses")

@@ -17,6 +17,12 @@ from functools import partial
 from pathlib import Path
 
 from megarl import atomic
+from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.fleet import sleeps_between_phases, start_rollout_fleet
+from megarl.cluster.memory import MemoryCycle
+from megarl.cluster.placement import plan_pools, total_devices
+from megarl.cluster.ray_cluster import ray_for_run
+from megarl.cluster.worker_group import WorkerGroup
 from megarl.config import Recipe, dump_recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
@@ -29,23 +35,17 @@ from megarl.config.settings import (
 from megarl.controller import run_state
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import StepCheckpoint, load_step
-from megarl.controller.engine_worker import start_engine_group
-from megarl.controller.fleet import sleeps_between_phases, start_rollout_fleet
-from megarl.controller.memory import MemoryCycle
-from megarl.controller.placement import plan_pools, total_devices
+from megarl.controller.loop import StepLoop
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
-from megarl.controller.ray_cluster import ray_for_run
 from megarl.controller.resume import resume_or_start
 from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
-from megarl.controller.step_loop import StepLoop
-from megarl.controller.tracking import Tracker, controller_log
-from megarl.controller.trainer import StepSettings, Trainer
-from megarl.controller.wandb_sink import WandbSink
-from megarl.controller.worker_group import WorkerGroup
+from megarl.controller.step import StepSettings, Trainer
 from megarl.errors import InputError
+from megarl.tracking.tracker import Tracker, controller_log
+from megarl.tracking.wandb_sink import WandbSink
 
 
 def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,

@@ -87,7 +87,8 @@ def ppo_loss(
     normalisers: dict,
     ppo: PolicyLossSettings,
 ) -> tuple[Tensor, dict]:
-    """PPO surrogate - entropy_coeff * entropy (+ kl_loss_coef * KL) of one micro-batch, scaled by `scale`."""
+    """The policy loss (`ppo.policy_loss`) - entropy_coeff * entropy (+ kl_loss_coef * KL) of one micro-batch,
+    scaled by `scale`."""
     with_entropy = ppo.entropy_coeff != 0
     log_probs, entropy = response_log_probs(
         model, mb, logits, response_length=response_length, temperature=temperature, with_entropy=with_entropy
@@ -95,6 +96,7 @@ def ppo_loss(
     mask = mb["response_mask"] * mb["valid_row"].unsqueeze(-1)
     agg = functools.partial(agg_loss, loss_agg_mode=ppo.loss_agg_mode, **normalisers)
     pg_loss, pg_metrics = policy_loss(
+        ppo.policy_loss,
         mb["old_log_probs"],
         log_probs,
         mb["advantages"],

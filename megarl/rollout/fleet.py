@@ -101,7 +101,7 @@ class RolloutFleet:
         router_policy: str = "cache_aware",
         use_ray: bool = True,
         placements: list[HostPlacement] | None = None,
-        startup_timeout_s: float = 300.0,
+        startup_timeout_s: float = 900.0,
         max_restarts: int = 2,
         max_attempts: int = 4,
     ):

@@ -10,5 +10,7 @@ Modules: `schema` (request validation), `generate_io` (requests <-> sequences/
 responses), `sequence`, `sampler`, `scheduler` (the batch loop), `weights`
 (loading and updates), `update_group` (receiving broadcasts), `memory` (memory
 release and resume), `engine` (state behind the routes), `http_server` (the
-routes). The wire formats come from `megarl.rollout.weight_wire`.
+app and its guard), `serving` (what the routes share), `update_gate` (the
+model-update lock), `generate_routes`, `control_routes` and `weight_routes`
+(the routes). The wire formats come from `megarl.rollout.weight_wire`.
 """

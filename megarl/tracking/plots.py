@@ -15,8 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from megarl.controller.metrics_file import read_metrics
 from megarl.errors import InputError
+from megarl.tracking.metrics_file import read_metrics
 
 # title -> metrics drawn as lines (those a run has), in this order.
 PANELS = {

@@ -23,6 +23,10 @@ import numpy as np
 import torch
 
 from megarl import atomic
+from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.placement import plan_pools
+from megarl.cluster.ray_cluster import ray_for_run
+from megarl.commands.warmup import warmed_up_checkpoint
 from megarl.config import Recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
@@ -31,19 +35,15 @@ from megarl.config.settings import (
     reward_scoring_batching,
 )
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
-from megarl.controller.engine_worker import start_engine_group
-from megarl.controller.placement import plan_pools
 from megarl.controller.preflight import check_reward_model_training, prepare_run_dir
-from megarl.controller.ray_cluster import ray_for_run
 from megarl.controller.roles import RewardModelRole
-from megarl.controller.tracking import Tracker
-from megarl.controller.warmup import warmed_up_checkpoint
 from megarl.data.preference import read_pairs, write_arithmetic_preferences
 from megarl.data.rm_inputs import RewardModelInputs
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
 from megarl.models.spec import arch_from_hf
 from megarl.protocol import Batch
+from megarl.tracking.tracker import Tracker
 
 SIDES = ("chosen", "rejected")
 

@@ -1,7 +1,7 @@
 """A recipe's supervised warm-up on its own: `megarl warmup RECIPE --hf OUT`, and the warm-up checkpoint
 that `megarl train-rm` starts its reward model from.
 
-`megarl warmup` runs exactly the warm-up `megarl train` would (`controller.sft`: the recipe's
+`megarl warmup` runs exactly the warm-up `megarl train` would (`megarl.controller.sft`: the recipe's
 `sft_warmup`, on the actor's layout) and writes the warmed policy as an HF checkpoint. Runs
 that start from it (`model.path: OUT`, `sft_warmup.steps: 0`) begin RL where the recipe's
 own warm-up would have left them, so a sweep or a test session pays for the warm-up once.
@@ -16,17 +16,17 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
+from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.placement import plan_pools
+from megarl.cluster.ray_cluster import ray_for_run
 from megarl.config import Recipe
 from megarl.config.settings import logprob_batching, optimizer_settings
 from megarl.controller.bootstrap import RunData, prepare_data, prepare_initial_weights
-from megarl.controller.engine_worker import start_engine_group
-from megarl.controller.placement import plan_pools
 from megarl.controller.preflight import prepare_run_dir
-from megarl.controller.ray_cluster import ray_for_run
 from megarl.controller.roles import PolicyRole
 from megarl.controller.sft import run_sft_warmup
-from megarl.controller.tracking import Tracker
 from megarl.errors import InputError
+from megarl.tracking.tracker import Tracker
 
 
 def warmed_up_checkpoint(recipe: Recipe, *, pool, parallel: dict, weights: Path, hf_config: dict, data: RunData,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from megarl.controller.placement import ResourcePool
+from megarl.cluster.placement import ResourcePool
 from megarl.protocol import Batch
 
 

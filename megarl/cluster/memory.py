@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from megarl.controller.worker_group import WorkerGroup
+from megarl.cluster.worker_group import WorkerGroup
 
 GENERATION_MEMORY = ["kv_cache", "cuda_graph"]
 

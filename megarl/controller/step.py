@@ -1,4 +1,4 @@
-"""The controller's step loop: one PPO/GRPO step is the phase table of DESIGN.md §1.
+"""One PPO/GRPO step: the phase table of DESIGN.md §1.
 
 `Trainer.step()` reads top to bottom like that table, one call per phase, each
 timed under `timing_s/<phase>`. The reward phase starts during generation (each row
@@ -89,7 +89,7 @@ class Trainer:
         self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
 
     def _cycle(self, phase: str, move) -> None:
-        """One direction of the sleep/wake cycle (`controller.memory`), timed only when the cycle runs."""
+        """One direction of the sleep/wake cycle (`megarl.cluster.memory`), timed only when the cycle runs."""
         if self.roles.memory.enabled:
             with self._timed(phase):
                 move()

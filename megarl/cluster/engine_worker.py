@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from megarl.cluster.worker_group import WorkerGroup
 from megarl.config.settings import Batching, OptimizerSettings, WeightSyncSettings
-from megarl.controller.worker_group import WorkerGroup
 from megarl.ports import free_port
 from megarl.protocol import Batch
 

@@ -1,4 +1,4 @@
-"""The controller's side of the rollout fleets: the policy's and the LLM judge's `RolloutFleet`, built from a recipe.
+"""Starting the rollout fleets on the cluster: the policy's and the LLM judge's `RolloutFleet`, built from a recipe.
 
 One server per `rollout.tp` slots of the rollout pool, each owned by a Ray
 actor on its first slot with the pool's per-role share of the bundle; on GPUs
@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from megarl.cluster.placement import ResourcePool
 from megarl.config import Recipe
-from megarl.controller.placement import ResourcePool
 from megarl.rollout.fleet import RolloutFleet
 from megarl.rollout.server_host import HostPlacement, ServerSpec
 
@@ -53,6 +53,7 @@ def start_rollout_fleet(
         routing=rollout.routing,
         router_policy=rollout.router_policy,
         use_ray=True,
+        startup_timeout_s=rollout.startup_timeout_s,
         placements=host_placements(pool, num_servers=rollout.num_servers, tp=rollout.tp),
     )
 
@@ -82,12 +83,13 @@ def start_judge_fleet(recipe: Recipe, *, pool: ResourcePool, tokenizer: Any, api
         seed=recipe.seed,
         max_concurrency=judge.max_concurrency,
         use_ray=True,
+        startup_timeout_s=recipe.rollout.startup_timeout_s,
         placements=host_placements(pool, num_servers=judge.num_servers, tp=judge.tp),
     )
 
 
 def sleeps_between_phases(recipe: Recipe) -> bool:
-    """Whether the fleet and the engines take turns on the devices (`megarl.controller.memory`)."""
+    """Whether the fleet and the engines take turns on the devices (`megarl.cluster.memory`)."""
     return recipe.placement.colocate and recipe.placement.offload
 
 

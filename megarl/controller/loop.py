@@ -21,12 +21,12 @@ from megarl.controller.checkpointing import StepCheckpoint, save_step
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.roles import Roles
 from megarl.controller.samples import decode_rows, write_samples
-from megarl.controller.tracking import Tracker
-from megarl.controller.trainer import StepAbandoned, Trainer
+from megarl.controller.step import StepAbandoned, Trainer
 from megarl.controller.validation import validate
 from megarl.protocol import Batch
 from megarl.protocol.op_timer import measure_batch_ops
 from megarl.rollout import GenerationInterrupted
+from megarl.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
 

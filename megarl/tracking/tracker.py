@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
-from megarl.controller.metrics_file import truncate_metrics
+from megarl.tracking.metrics_file import truncate_metrics
 
 logger = logging.getLogger(__name__)
 SCORE_KEY = "critic/score/mean"

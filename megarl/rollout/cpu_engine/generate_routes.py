@@ -1,0 +1,165 @@
+"""The routes that generate: `/generate` (whole or streamed) and the one-token `/health` probe.
+
+Generation holds the model-update gate shared, so an update made while generation
+is not paused waits for it (see `update_gate`). A non-streaming client that hangs up
+has its sequences aborted; a streaming one, when its stream is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from megarl.rollout.cpu_engine.engine import CpuEngine
+from megarl.rollout.cpu_engine.generate_io import GenerateJob, build_job, output_dict
+from megarl.rollout.cpu_engine.schema import GenerateBody, RequestError, parse_body
+from megarl.rollout.cpu_engine.sequence import SamplingSettings, Sequence
+from megarl.rollout.cpu_engine.serving import read_json, state_of
+from megarl.rollout.cpu_engine.update_gate import ModelUpdateGate
+
+router = APIRouter()
+
+DISCONNECT_POLL_S = 0.5
+
+
+@router.api_route("/health", methods=["GET"])
+@router.api_route("/health_generate", methods=["GET", "POST"])
+async def health(request: Request) -> Response:
+    """200 once a one-token generation finishes; 503 while starting, released, or after the timeout."""
+    state = state_of(request)
+    engine = state.engine
+    if engine is None or engine.memory.released:
+        return Response(status_code=503)
+    rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+    seq = Sequence(rid=rid, request_rid=rid, prompt_ids=[0],
+                   sampling=SamplingSettings(max_new_tokens=1, temperature=0.0))
+
+    async def one_token() -> None:
+        async with state.gate.shared():
+            await _run(engine, [seq])
+
+    try:
+        await asyncio.wait_for(one_token(), state.args.health_check_timeout_s)
+    except asyncio.TimeoutError:
+        engine.scheduler.abort(seq.rid, message="health check timed out")
+        return Response(status_code=503)
+    return Response(status_code=200 if seq.finish_reason["type"] != "abort" else 503)
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    state = state_of(request)
+    engine = state.engine
+    refused = engine.memory.generation_refusal()
+    if refused:
+        return JSONResponse({"error": {"message": refused}}, status_code=400)
+    try:
+        body = parse_body(GenerateBody, await read_json(request, state.args.max_request_bytes))
+        # Tokenizing a text is real work: off the event loop, so /health and the control calls stay live.
+        job = await asyncio.to_thread(
+            build_job,
+            body,
+            vocab_size=engine.vocab_size,
+            context_length=engine.context_length,
+            tokenizer=engine.tokenizer,
+        )
+    except RequestError as error:
+        return JSONResponse({"error": {"message": "; ".join(error.problems)}}, status_code=error.status)
+    if job.stream:
+        return StreamingResponse(_stream(engine, job, state.gate), media_type="text/event-stream")
+    async with state.gate.shared():
+        if not await _run(engine, job.seqs, disconnected=request.is_disconnected):
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    outputs = [_output(engine, job, seq) for seq in job.seqs]
+    return JSONResponse(outputs if job.returns_list else outputs[0])
+
+
+def _output(engine: CpuEngine, job: GenerateJob, seq: Sequence, upto: int | None = None) -> dict:
+    decode = engine.decode if engine.tokenizer is not None else None
+    return output_dict(
+        seq,
+        decode=decode,
+        text_in_logprobs=job.text_in_logprobs,
+        current_weight_version=engine.weight_version,
+        upto=upto,
+    )
+
+
+async def _run(engine: CpuEngine, seqs: list[Sequence], *,
+               disconnected: Callable[[], Any] | None = None) -> bool:
+    """Submit sequences and wait until all have finished (True); abort them if the caller goes away (False, or
+    cancelled): a non-streaming client that hung up is noticed only by asking `disconnected()`."""
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in seqs]
+    for seq, future in zip(seqs, futures):
+        seq.on_finish = _finisher(engine, loop, future)
+    engine.scheduler.submit(seqs)
+    finished = asyncio.gather(*futures)
+    try:
+        while not (await asyncio.wait([finished], timeout=DISCONNECT_POLL_S))[0]:
+            if disconnected is not None and await disconnected():
+                _abort(engine, seqs)
+                return False
+        return True
+    except asyncio.CancelledError:
+        _abort(engine, seqs)
+        raise
+
+
+def _abort(engine: CpuEngine, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        engine.scheduler.abort(seq.rid, message="client disconnected")
+
+
+def _finisher(engine: CpuEngine, loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+    def on_finish(seq: Sequence) -> None:
+        engine.stamp(seq)
+        loop.call_soon_threadsafe(_resolve, future)
+
+    return on_finish
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def _stream(engine: CpuEngine, job: GenerateJob, gate: ModelUpdateGate) -> AsyncIterator[str]:
+    """SSE: one `data: {...}` line per new token of any sequence (cumulative output), then `data: [DONE]`."""
+    async with gate.shared():
+        async for chunk in _stream_chunks(engine, job):
+            yield chunk
+
+
+async def _stream_chunks(engine: CpuEngine, job: GenerateJob) -> AsyncIterator[str]:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
+    for index, seq in enumerate(job.seqs):
+        seq.on_progress = lambda s, n, i=index: loop.call_soon_threadsafe(events.put_nowait, (i, n))
+
+        def on_finish(s: Sequence, i: int = index) -> None:
+            engine.stamp(s)
+            loop.call_soon_threadsafe(events.put_nowait, (i, None))
+
+        seq.on_finish = on_finish
+    engine.scheduler.submit(job.seqs)
+    remaining = len(job.seqs)
+    try:
+        while remaining:
+            index, upto = await events.get()
+            if upto is None:
+                remaining -= 1
+            chunk = _output(engine, job, job.seqs[index], upto)
+            if job.returns_list:
+                chunk["index"] = index
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for seq in job.seqs:
+            if not seq.done:
+                engine.scheduler.abort(seq.rid, message="client disconnected")
