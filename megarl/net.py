@@ -38,9 +38,10 @@ def host_port(host: str, port: int) -> str:
 def split_host_port(address: str) -> tuple[str, int]:
     """The inverse of `host_port`; ValueError naming the text when it is not HOST:PORT."""
     host, colon, port = address.rpartition(":")
-    if not colon or not port.isdigit() or not host:
+    bracketed = host.startswith("[") and host.endswith("]")
+    if not colon or not port.isdigit() or not host or (":" in host and not bracketed):
         raise ValueError(f"expected HOST:PORT or [IPv6]:PORT (got {address!r})")
-    return host.removeprefix("[").removesuffix("]"), int(port)
+    return (host[1:-1] if bracketed else host), int(port)
 
 
 def interface_address(name: str) -> str:

@@ -5,7 +5,7 @@
 # Reads: MEGARL_PYTHON, MEGARL_CONTAINER_EXEC (a command prefix such as `apptainer exec ... IMAGE`, or
 # empty), MEGARL_DEVICE (cuda|cpu), MEGARL_GPUS_PER_NODE, MEGARL_LOG_DIR, MEGARL_ATTEMPT (names this
 # start's log files), MEGARL_RAY_TMPDIR (node-local, one per job), MEGARL_TERM_GRACE_S,
-# MEGARL_TEARDOWN_S, the port block exported by `python -m megarl.submit.ray_ports`, and
+# MEGARL_TEARDOWN_S, the port block exported by `python -m megarl.cluster.ray_ports`, and
 # MEGARL_HEAD_IP (head) or MEGARL_RAY_ADDRESS (workers).
 #
 # Signals. Only the driver may act on a SIGTERM: it writes a checkpoint, then stops what it started.
@@ -91,7 +91,8 @@ megarl_ray_node() {
     trap - TERM USR2
     # Everything this node started (Ray's daemons and workers, their children, the rollout servers) is
     # found by its mark and SIGKILLed: the driver, which needed them, has exited.
-    megarl_python -m megarl.processes sweep "$mark"
+    # (Inside the braces bash's "Killed" notice for the node's own process goes to /dev/null too.)
+    { megarl_python -m megarl.processes sweep "$mark"; wait "$pid"; } 2>/dev/null
     if [ -d "$MEGARL_RAY_TMPDIR/session_latest/logs" ]; then
         mkdir -p "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT"
         cp -r "$MEGARL_RAY_TMPDIR/session_latest/logs/." "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT/"
@@ -175,18 +176,19 @@ megarl_stop_ray() {
 }
 
 # Forward one stop request to the driver, once: the driver checkpoints and exits; a second SIGTERM
-# would make it stop at once, without one. Before the driver runs there is nothing to save.
+# would make it stop at once, without one. Before the driver runs there is nothing to save; once it has
+# exited, its status stands.
 megarl_forward_stop() {
     local why=$1
-    if [ -n "${MEGARL_DRIVER_PID:-}" ] && kill -0 "$MEGARL_DRIVER_PID" 2>/dev/null; then
-        if [ -n "${MEGARL_TERM_AT:-}" ]; then
-            megarl_log "$why: the driver was already told to stop $((SECONDS - MEGARL_TERM_AT))s ago"
-            return 0
-        fi
+    if [ -n "${MEGARL_TERM_AT:-}" ]; then
+        megarl_log "$why: the driver was already told to stop $((SECONDS - MEGARL_TERM_AT))s ago"
+    elif [ -n "${MEGARL_DRIVER_DONE:-}" ]; then
+        megarl_log "$why: the driver has exited already"
+    elif [ -n "${MEGARL_DRIVER_PID:-}" ]; then
+        MEGARL_TERM_AT=$SECONDS  # first: a second request may interrupt this handler at its next command
+        megarl_signal_driver
         megarl_log "$why: forwarded to the driver (pid $MEGARL_DRIVER_PID) to checkpoint and exit;" \
             "SIGKILL in ${MEGARL_TERM_GRACE_S}s"
-        MEGARL_TERM_AT=$SECONDS
-        megarl_signal_driver
     else
         megarl_log "$why before the driver started: tearing down"
         exit 143

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from _slurm import SlurmUnavailable, start_slurm
-from megarl.submit.ray_ports import free_block
+from megarl.cluster.ray_ports import free_block
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.slurm]
 

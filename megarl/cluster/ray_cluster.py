@@ -1,16 +1,33 @@
 """Starting or joining the Ray cluster the controller runs on.
 
-A local cluster lives on loopback with its own temp dir, so a stale
-`/tmp/ray/ray_current_cluster` from another run is never joined, and it is
-stopped by `ray.shutdown()` (by the PIDs it started), never by `ray stop`.
+A run without a cluster to join starts its own Ray head (`start_own_head`):
+`ray start` on loopback in a session of its own, with its own port block, temp
+dir and auth token (in the environment only). In a session of its own, Ray's
+processes do not get a signal sent to the driver's process group (a shell's job
+control, a container runtime): the driver gets it, checkpoints, and only then
+stops Ray. Every process the head starts carries its mark (`megarl.processes`),
+so stopping it leaves nothing behind, the multiprocessing children of killed
+workers included; never `ray stop`, which stops every Ray on the machine.
+`start_local_ray` (an in-process head, for the test session's shared cluster)
+stays on loopback with its own temp dir too, so a stale
+`/tmp/ray/ray_current_cluster` from another run is never joined.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from contextlib import ExitStack
+from pathlib import Path
+
+from megarl.cluster.ray_ports import free_block
+from megarl.processes import MARK_ENV, WORKER_HOOK, shield_on, sweep
 
 # Worker processes inherit these: loopback only, no usage reporting, one
 # OpenMP thread per rank (PLATFORM.md: without it step times swing 60x).
@@ -63,22 +80,80 @@ def start_local_ray(*, temp_dir: str, num_cpus: int | None = None, num_gpus: int
 
 
 def connect_ray(address: str) -> None:
-    """Join an existing cluster (e.g. one started by the Slurm launcher)."""
+    """Join an existing cluster (one started by a launcher, or this run's own head). Under a launcher's
+    shield every worker ignores SIGTERM (`megarl.processes`): only the driver acts on it."""
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, runtime_env={"env_vars": _worker_env()})
+        runtime_env = {"env_vars": _worker_env()}
+        if shield_on():
+            runtime_env["worker_process_setup_hook"] = WORKER_HOOK
+        ray.init(address=address, runtime_env=runtime_env)
+
+
+HEAD_START_TIMEOUT_S = 120.0
+
+
+def _head_failed(process: subprocess.Popen, log: Path, why: str) -> RuntimeError:
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    return RuntimeError(f"this run's Ray head (pid {process.pid}) {why}; its output:\n{tail}")
+
+
+def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
+    """Start a Ray head on loopback in a session of its own and return its address; `cleanup` stops it and
+    every process it started (found by their mark), then removes its temp dir."""
+    for key, value in _RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    # A token only this run knows, in the environment only: the driver and the head read it from there.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    temp_dir = new_temp_dir()
+    cleanup.callback(shutil.rmtree, temp_dir, True)
+    ports, mark = free_block(os.getpid()), f"ray-run-{os.getpid()}-{secrets.token_hex(4)}"
+    named = ports.named()
+    low, high = ports.worker_range
+    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+            "--include-dashboard=false", "--node-ip-address=127.0.0.1", f"--port={named['gcs']}",
+            f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}",
+            f"--node-manager-port={named['node_manager']}", f"--object-manager-port={named['object_manager']}",
+            f"--ray-client-server-port={named['client_server']}",
+            f"--dashboard-agent-grpc-port={named['dashboard_agent_grpc']}",
+            f"--dashboard-agent-listen-port={named['dashboard_agent_listen']}",
+            f"--metrics-export-port={named['metrics_export']}",
+            f"--runtime-env-agent-port={named['runtime_env_agent']}",
+            f"--min-worker-port={low}", f"--max-worker-port={high}"]
+    log = Path(temp_dir) / "head.out"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(argv, env={**os.environ, MARK_ENV: mark}, stdout=output,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    cleanup.callback(sweep, mark)  # after ray.shutdown (registered later, so run earlier)
+    cleanup.callback(_reap, process)
+    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise _head_failed(process, log, f"exited with status {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", named["gcs"]), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise _head_failed(process, log, f"did not listen within {HEAD_START_TIMEOUT_S:.0f} s") from None
+            time.sleep(0.2)
+    return f"127.0.0.1:{named['gcs']}"
+
+
+def _reap(process: subprocess.Popen) -> None:
+    process.kill()  # the sweep that follows stops the rest; its mark covers this process too
+    process.wait()
 
 
 def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> None:
-    """Join the cluster at `address`, or (none given, none running) start a local one that `cleanup` shuts down
-    and whose temp dir it removes."""
+    """Join the cluster at `address`, or (none given, none running) start this run's own head, which `cleanup`
+    stops with everything it started."""
     import ray
 
     if address:
         connect_ray(address)
     elif not ray.is_initialized():
-        temp_dir = new_temp_dir()
-        cleanup.callback(shutil.rmtree, temp_dir, True)
-        start_local_ray(temp_dir=temp_dir, num_cpus=num_cpus)
+        connect_ray(start_own_head(cleanup, num_cpus=num_cpus))
         cleanup.callback(ray.shutdown)

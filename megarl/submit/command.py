@@ -86,8 +86,10 @@ def _container(args: argparse.Namespace, recipe, *, run_dir: Path, workdir: Path
     kind, image = ("pyxis", args.container_image) if args.container_image else ("apptainer", args.apptainer_image)
     if image is None:
         return None
-    # The run dir (frozen code and recipe, logs, checkpoints), the working dir and every input's directory.
-    mounts = [run_dir, workdir] + [path if path.is_dir() else path.parent for _, path in input_paths(recipe)]
+    # The run dir (frozen code and recipe, logs, checkpoints), the working dir, every input directory (models,
+    # tokenizers) and the directory of every input file (data).
+    inputs = [path.parent if key.split("[")[0].endswith("_files") else path for key, path in input_paths(recipe)]
+    mounts = [run_dir, workdir, *inputs]
     unique = []
     for path in (Path(os.path.abspath(path)) for path in mounts):
         if not any(path == kept or path.is_relative_to(kept) for kept in unique):

@@ -43,8 +43,8 @@ def input_paths(recipe: Recipe) -> list[tuple[str, Path]]:
                 if name in PATH_KEYS and isinstance(value, str) and value not in NOT_PATHS:
                     found.append((dotted, Path(value).expanduser()))
                 elif name in PATH_KEYS and isinstance(value, list):
-                    found += [(f"{dotted}[{index}]", Path(item).expanduser()) for index, item in enumerate(value)
-                              if isinstance(item, str)]
+                    found.extend((f"{dotted}[{index}]", Path(item).expanduser()) for index, item in enumerate(value)
+                                 if isinstance(item, str))
                 else:
                     walk(value, dotted)
 

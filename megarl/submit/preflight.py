@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 
 from megarl.net import IFACE_ENV, node_address, split_host_port
-from megarl.submit.ray_ports import block_for, busy_ports
+from megarl.cluster.ray_ports import block_for, busy_ports
 
 # Mismatched builds of these across nodes fail late and obscurely (pickled tensors, NCCL, Ray protocol).
 VERSIONED_PACKAGES = ("torch", "megatron-core", "sglang", "ray", "megarl")

@@ -5,7 +5,7 @@ same node clashes with the first. A job instead takes a block of BLOCK_SIZE
 ports chosen by a seed (the Slurm job id, or the launcher's PID), names every
 port Ray opens from it, and preflight checks the block is free on every node.
 
-    eval "$(python -m megarl.submit.ray_ports --seed $SLURM_JOB_ID)"   # MEGARL_RAY_*_PORT
+    eval "$(python -m megarl.cluster.ray_ports --seed $SLURM_JOB_ID)"   # MEGARL_RAY_*_PORT
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def free_block(seed: int, host: str = "") -> RayPorts:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.submit.ray_ports", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m megarl.cluster.ray_ports", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, required=True, help="the Slurm job id, or the launcher's PID")
     parser.add_argument("--free", action="store_true", help="from the seed's block on, the first one free here")
     args = parser.parse_args(argv)
