@@ -1,36 +1,43 @@
 """The processes a run starts on a node: marked so that all of them can be found and stopped, and kept out of
 the way of signals meant for the driver.
 
-Marking: a process started with `MARK_ENV=<tag>` in its environment passes the
-mark to everything it starts (Ray's daemons, its workers, their multiprocessing
-children, the rollout servers), whatever session or parent each ends up in.
-`sweep(tag)` SIGKILLs every process still carrying the mark: what a killed
-worker's `multiprocessing` manager or resource tracker would otherwise outlive.
+Finding them: the command a launcher starts (a Ray node, this run's own Ray
+head) leads a session of its own and is a child subreaper, so everything below
+it stays in its session (Ray's daemons and workers, their multiprocessing
+children) or, once orphaned, below it (a rollout server, which starts a session
+of its own). It also runs with `MARK_ENV=<tag>` in its environment, which its
+descendants inherit (though a process that sets its title, as Ray's workers
+do, may no longer show it). `sweep(tag, leader)` SIGKILLs all of these: what a
+killed worker's `multiprocessing` manager or resource tracker would otherwise
+outlive.
 
 Shielding, for the processes below a launched job's Ray node: Slurm signals
 every process of a job step at once when it preempts or cancels a job with a
 grace time (and a shell's job control signals a whole process group), but only
 the driver should act on that SIGTERM: it checkpoints, then stops everything
 it started. So
-- `shielded` runs a command (the Ray node) in a session of its own with SIGTERM
-  and SIGUSR2 blocked; both stay blocked in everything it starts that does not
-  unblock them itself (Ray's daemons keep them blocked);
-- Ray's workers unblock SIGTERM, so `ignore_sigterm` (Ray's worker set-up hook,
-  `WORKER_HOOK`) makes them ignore it;
+- `exec_leader(..., shielded=True)` runs a command (the Ray node) with SIGTERM and SIGUSR2 blocked;
+  both stay blocked in everything it starts that does not unblock them itself
+  (Ray's daemons keep them blocked);
+- Ray's workers unblock SIGTERM and install a handler of their own when their
+  loop starts, so each megarl actor calls `shield_ray_actor()` first thing;
 - `blocked_sigterm()` wraps the start of a server from such a worker, so the
   server (which installs its own SIGTERM handler) never sees SIGTERM either;
   servers are then stopped with SIGINT (`stop_signal()`).
 The launchers turn this on with `SHIELD_ENV=1`.
 
-    python -m megarl.processes shield CMD ...   # exec CMD shielded, in a new session
-    python -m megarl.processes sweep TAG        # SIGKILL every process marked TAG
+    python -m megarl.processes shield CMD ...    # exec CMD shielded, leading a new session
+    python -m megarl.processes lead CMD ...      # the same, without blocking signals
+    python -m megarl.processes sweep TAG PID     # SIGKILL what PID (the leader) and mark TAG hold
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,16 +46,24 @@ from pathlib import Path
 MARK_ENV = "MEGARL_PROCESS_MARK"
 SHIELD_ENV = "MEGARL_SHIELD_SIGTERM"
 SHIELDED_SIGNALS = frozenset({signal.SIGTERM, signal.SIGUSR2})  # SIGUSR2: the launchers' "stop this Ray node"
-WORKER_HOOK = "megarl.processes.ignore_sigterm"
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def shield_on() -> bool:
     return os.environ.get(SHIELD_ENV) == "1"
 
 
-def ignore_sigterm() -> None:
-    """Ray worker set-up hook (runs in the worker's main thread): SIGTERM is the driver's, not this worker's."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def shield_ray_actor() -> None:
+    """First thing in a megarl Ray actor's `__init__`: under the shield, SIGTERM is the driver's, not this actor's.
+
+    (Not Ray's worker set-up hook: Ray's worker loop installs its own SIGTERM handler after that hook ran.)
+    Nothing happens outside a Ray actor, e.g. in the driver, which uses the same classes locally."""
+    if not shield_on() or threading.current_thread() is not threading.main_thread():
+        return
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @contextmanager
@@ -69,6 +84,20 @@ def stop_signal() -> signal.Signals:
     return signal.SIGINT if shield_on() else signal.SIGTERM
 
 
+def _processes() -> dict[int, tuple[str, int, int]]:
+    """Every live process: pid -> (state, parent pid, session id), from /proc/<pid>/stat."""
+    table = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        table[int(proc.name)] = (fields[0], int(fields[1]), int(fields[3]))
+    return table
+
+
 def marked(tag: str) -> list[int]:
     """PIDs of the processes whose environment carries `MARK_ENV=tag` (this process excluded)."""
     needle = f"{MARK_ENV}={tag}\0".encode()
@@ -85,20 +114,37 @@ def marked(tag: str) -> list[int]:
     return found
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
+def family(tag: str, leader: int | None = None) -> list[int]:
+    """The live processes a leader started: its session, every descendant of it and of its session, and every
+    process marked `tag`. This process and its ancestors are never among them."""
+    table = _processes()
+    members = {pid for pid in marked(tag) if pid in table}
+    if leader is not None:
+        members |= {pid for pid, (_, _, session) in table.items() if session == leader}
+        members.add(leader)
+    children: dict[int, list[int]] = {}
+    for pid, (_, parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    stack = list(members)
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in members:
+                members.add(child)
+                stack.append(child)
+    spared, pid = set(), os.getpid()
+    while pid in table and pid not in spared:  # this process and its ancestors
+        spared.add(pid)
+        pid = table[pid][1]
+    return sorted(pid for pid in members - spared if pid in table and table[pid][0] != "Z")
 
 
-def sweep(tag: str, *, timeout_s: float = 10.0) -> list[int]:
-    """SIGKILL every process marked `tag` and wait until none is left running; returns the PIDs killed."""
+def sweep(tag: str, leader: int | None = None, *, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL the family of `leader` and mark `tag` (see `family`) until none is left; returns the PIDs killed."""
     killed: list[int] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        # Repeat: a process may start a child while the first ones are being killed.
-        alive = [pid for pid in marked(tag) if not _zombie(pid)]
+        # Again and again: a process may start a child while the first ones are being killed.
+        alive = family(tag, leader)
         if not alive or time.monotonic() > deadline:
             return killed
         for pid in alive:
@@ -110,21 +156,27 @@ def sweep(tag: str, *, timeout_s: float = 10.0) -> list[int]:
         time.sleep(0.1)
 
 
-def exec_shielded(argv: list[str]) -> None:
-    """Replace this process by `argv`, leader of a new session, with the shielded signals blocked."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED_SIGNALS)
-    os.setsid()
+def exec_leader(argv: list[str], *, shielded: bool) -> None:
+    """Replace this process by `argv`: leader of a new session, a child subreaper (orphans below it stay below
+    it), with the shielded signals blocked if `shielded`."""
+    if shielded:
+        signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED_SIGNALS)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        os.setsid()
+    except PermissionError:
+        pass  # already leads its process group (a shell with job control started it): its descendants still count
     os.execvp(argv[0], argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) >= 2 and args[0] == "shield":
-        exec_shielded(args[1:])
-    if len(args) == 2 and args[0] == "sweep":
-        sweep(args[1])
+    if len(args) >= 2 and args[0] in ("shield", "lead"):
+        exec_leader(args[1:], shielded=args[0] == "shield")
+    if len(args) in (2, 3) and args[0] == "sweep" and (len(args) == 2 or args[2].isdigit()):
+        sweep(args[1], int(args[2]) if len(args) == 3 else None)
         return 0
-    print("usage: python -m megarl.processes shield CMD ... | sweep TAG", file=sys.stderr)
+    print("usage: python -m megarl.processes shield|lead CMD ... | sweep TAG [LEADER_PID]", file=sys.stderr)
     return 2
 
 

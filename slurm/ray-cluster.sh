@@ -11,10 +11,11 @@
 # Signals. Only the driver may act on a SIGTERM: it writes a checkpoint, then stops what it started.
 # Slurm, when it preempts or cancels a job with a grace time, signals every process of every job step
 # at once, so each Ray node runs shielded (`python -m megarl.processes shield`: its own session, SIGTERM
-# and SIGUSR2 blocked; Ray's workers ignore SIGTERM through megarl's worker hook). The shell that
+# and SIGUSR2 blocked; megarl's Ray actors ignore SIGTERM, `megarl.processes.shield_ray_actor`). The shell that
 # started the node still gets the SIGTERM and tells the batch script (SIGUSR1), which forwards it to
 # the driver. The batch script stops a node with SIGUSR2; the node then SIGKILLs every process it
-# started, found by the mark they all carry in their environment (MEGARL_PROCESS_MARK).
+# started: the Ray node's session, everything below it (it is a child subreaper) and whatever carries
+# its mark (MEGARL_PROCESS_MARK).
 
 megarl_log() {
     echo "megarl-launch $(date '+%F %T'): $*"
@@ -28,8 +29,9 @@ megarl_python() {
 
 # Run Ray on this node until the batch script stops it (SIGUSR2), then keep its logs in
 # MEGARL_LOG_DIR/ray-<node>-<attempt>/ and remove the node's Ray temp dir. ROLE is head or worker.
-# A `ray start` that fails within its first minute (a port raced away, a slow file system) is tried
-# again, up to three times. One srun task per node runs this on Slurm.
+# A `ray start` that fails within its first MEGARL_RAY_START_WINDOW_S seconds (a port raced away, a
+# slow file system, a daemon that came up too late) is tried again, up to three times. One srun task
+# per node runs this on Slurm.
 megarl_ray_node() {
     local role=$1 node=${SLURMD_NODENAME:-$(hostname -s)} pid rc=0 try started ip
     local cpus=${SLURM_CPUS_ON_NODE:-$(nproc)}
@@ -81,8 +83,8 @@ megarl_ray_node() {
         fi
         wait "$pid"
         rc=$?
-        megarl_python -m megarl.processes sweep "$mark"
-        if [ "$rc" -eq 0 ] || [ $((SECONDS - started)) -ge 60 ] || [ "$try" -eq 3 ]; then
+        megarl_python -m megarl.processes sweep "$mark" "$pid"
+        if [ "$rc" -eq 0 ] || [ $((SECONDS - started)) -ge "${MEGARL_RAY_START_WINDOW_S:-300}" ] || [ "$try" -eq 3 ]; then
             break
         fi
         megarl_log "ray $role on $node exited with status $rc during start-up: trying again"
@@ -92,7 +94,7 @@ megarl_ray_node() {
     # Everything this node started (Ray's daemons and workers, their children, the rollout servers) is
     # found by its mark and SIGKILLed: the driver, which needed them, has exited.
     # (Inside the braces bash's "Killed" notice for the node's own process goes to /dev/null too.)
-    { megarl_python -m megarl.processes sweep "$mark"; wait "$pid"; } 2>/dev/null
+    { megarl_python -m megarl.processes sweep "$mark" "$pid"; wait "$pid"; } 2>/dev/null
     if [ -d "$MEGARL_RAY_TMPDIR/session_latest/logs" ]; then
         mkdir -p "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT"
         cp -r "$MEGARL_RAY_TMPDIR/session_latest/logs/." "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT/"

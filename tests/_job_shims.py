@@ -4,7 +4,8 @@ Every call the batch script makes is appended to `calls.log` (a Ray node's own
 calls go to `node-<name>.log`), so tests compare them with golden lists. The
 Ray node steps run the script's real `megarl_ray_node` in one shell per node:
 the real shield and sweep (`megarl.processes`), with a stand-in for `ray start`
-that sleeps (or, with SHIM_RAY=fail-once, fails its first start on each node).
+that sleeps (or, with SHIM_RAY=fail-once, fails its first start on each node), and a registration wait
+that ends once every node's stand-in runs.
 `scancel` delivers signals to the shells of a step, or (`--batch`) to the batch
 script, as Slurm does. The driver stand-in exits 0, or on SIGTERM 99 (`hang`)
 or 75 (`preemptible`, a driver that checkpointed).
@@ -92,19 +93,27 @@ case "$1 $2 $3" in
     echo x >>"$tries"
     echo "ray start on $SLURMD_NODENAME (try $(wc -l <"$tries"))" >>"$log"
     if [ "$SHIM_RAY" = fail-once ] && [ "$(wc -l <"$tries")" -eq 1 ]; then exit 1; fi
+    touch "$SHIM_DIR/ray-up-$SLURMD_NODENAME"
     exec sleep 1000 ;;
 esac
 case "$*" in
   *megarl.submit.registration*)
-    [ "$(echo $SHIM_NODES | wc -w)" -gt 1 ] && until [ -e "$SHIM_DIR/step-megarl-ray-workers.pids" ]; do sleep 0.1; done ;;
+    [ "$(echo $SHIM_NODES | wc -w)" -gt 1 ] && [[ "$*" != *"--nodes 1 "* ]] && until [ -e "$SHIM_DIR/step-megarl-ray-workers.pids" ]; do sleep 0.1; done ;;
 esac
 echo "python $*" >>"$log"
 case "$*" in
   *megarl.submit.registration*)
+    if [ "$(echo $SHIM_NODES | wc -w)" -gt 1 ] && [[ "$*" = *"--nodes 1 "* ]]; then  # the head alone
+      until [ -e "$SHIM_DIR/ray-up-${SHIM_NODES%% *}" ]; do sleep 0.1; done
+      exit 0
+    fi
     case "$SHIM_REGISTRATION" in
       fail) echo "megarl-launch: 1 of 2 node(s) registered" >&2; exit 1 ;;
       hang) exec sleep 1000 ;;
     esac
+    for node in $SHIM_NODES; do  # as Ray's registration: every node's Ray is up
+      until [ -e "$SHIM_DIR/ray-up-$node" ]; do sleep 0.1; done
+    done
     exit 0 ;;
   *"preflight node-ip"*) echo "$SHIM_HEAD_IP"; exit 0 ;;
   *"megarl train"*)
@@ -230,19 +239,23 @@ def golden_calls(nodes: list[str], *, job_step: str = f"{JOB_ID}.0") -> dict[str
     bring_up = [
         f"scontrol show hostnames node[001-{count:03d}]",
         f"python -m megarl.cluster.ray_ports --seed {JOB_ID}",
-        f"{helper} --nodes={count} --ntasks-per-node=1 PY -m megarl.submit.preflight facts --device cuda "
+        f"{helper} --nodes={count} --ntasks={count} --ntasks-per-node=1 PY -m megarl.submit.preflight facts --device cuda "
         f"--port-seed {JOB_ID}",
         f"python -m megarl.submit.preflight check --nodes {' '.join(nodes)} --device cuda --gpus-per-node 8",
         f"{helper} --nodes=1 --ntasks=1 --nodelist={head} PY -m megarl.submit.preflight node-ip",
         "python -m megarl.submit.preflight node-ip",
         f"srun --overlap --nodes=1 --ntasks=1 --nodelist={head} --job-name=megarl-ray-head --open-mode=append "
         f"--output=RUN/logs/ray-head-%N-{job_step}.log bash -c megarl_ray_node head",
-        f"{helper} --nodes={count} --ntasks-per-node=1 PY -m megarl.submit.preflight reach --address {address} "
+        f"{helper} --nodes={count} --ntasks={count} --ntasks-per-node=1 PY -m megarl.submit.preflight reach --address {address} "
         "--timeout 120",
     ]
     if workers:
         bring_up.append(
-            f"srun --overlap --nodes={len(workers)} --ntasks-per-node=1 --nodelist={','.join(workers)} "
+            f"python -m megarl.submit.registration --address {address} --nodes 1 --device cuda --per-node 8 "
+            f"--hosts {head} --log-dir RUN/logs --attempt {job_step} --timeout 300")
+        bring_up.append(
+            f"srun --overlap --nodes={len(workers)} --ntasks={len(workers)} --ntasks-per-node=1 "
+            f"--nodelist={','.join(workers)} "
             f"--job-name=megarl-ray-workers --open-mode=append --output=RUN/logs/ray-worker-%N-{job_step}.log "
             "bash -c megarl_ray_node worker"
         )

@@ -5,21 +5,24 @@ when they are missing (root only), then builds a private network: namespace
 `<tag>-ctl` holds a bridge with the controller's address, and each host
 namespace `<tag>-nK` is joined to it by a veth pair and has an address of its
 own in 10.77.0.0/24 (and fd77::/64). These addresses exist only inside the
-namespaces: nothing leaves them, and nothing on the machine can reach them by
-accident. Each slurmd also runs in a UTS namespace whose hostname is its node
-name, and `ip netns exec` mounts `/etc/netns/<ns>/hosts` over `/etc/hosts`
-there, which maps that name to 127.0.1.1, as Debian's default `/etc/hosts`
-does: `gethostbyname(gethostname())` on a node gives an address no other node
-can reach, so anything that rendezvouses by hostname fails here as it would
-on a real cluster.
+namespaces: nothing leaves them, and nothing on the machine reaches them by
+accident. Each daemon runs as a host of its own: in its network namespace
+(entered with nsenter, which leaves /sys and its cgroup mounts alone, unlike
+`ip netns exec`), with its own hostname (a UTS namespace) and its own
+/etc/hosts bound over the machine's (a private mount namespace) that maps that
+name to 127.0.1.1, as Debian's default /etc/hosts does: `gethostbyname(
+gethostname())` on a node gives an address no other node can reach, so
+anything that rendezvouses by hostname fails here as it would on a cluster.
 
 The configuration has two partitions on both nodes: `batch` (the default;
 jobs there are preempted with PreemptMode=REQUEUE and a grace time) and
-`urgent` (a higher PriorityTier that preempts them). Client commands run in
-the controller's namespace (`cluster.client(...)`). `stop` cancels the tests'
-leftover jobs, terminates exactly the processes started here, deletes the
-namespaces and the temp dir. Where Slurm cannot be had (not root, no apt-get,
-no network namespaces) `SlurmUnavailable` carries the reason to skip with.
+`urgent` (a higher PriorityTier that preempts them). Each node has one CPU, so
+a pool of one process slot per node puts one on each host. Client commands run
+in the controller's namespace (`cluster.client(...)`). `stop` cancels the
+tests' leftover jobs, terminates exactly the processes started here and
+deletes the namespaces and the temp dir. Where Slurm cannot be had (not root,
+no apt-get, no network namespaces) `SlurmUnavailable` carries the reason to
+skip with.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "srun", "sinfo", "sacct")
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 SUBNET, SUBNET6 = "10.77.0", "fd77::"
-GRACE_TIME_S = 90  # the batch partition's preemption grace time: a driver checkpoints well within it
+# The batch partition's preemption grace time: the stop budget of a recipe with preempt_timeout_s=30
+# (30 + the driver's hard exit 60 + 15, then 60 for the teardown) fits in it.
+GRACE_TIME_S = 180
 
 CONFIG = """\
 ClusterName=megarl-ci
@@ -135,7 +140,7 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel the tests' unfinished jobs, terminate the daemons started here (newest first) by PID, and
-        delete the namespaces, their /etc/netns files and the temp dir."""
+        delete the namespaces and the temp dir."""
         if self._queued():
             self.run("scancel", *self._queued())
             deadline = time.monotonic() + 30

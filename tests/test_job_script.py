@@ -89,7 +89,7 @@ def test_a_preemption_keeps_ray_up_tells_the_driver_once_and_requeues(job_factor
 
 def test_sigterm_before_the_driver_tears_down_the_bring_up_and_requeues(job_factory, tmp_path):
     job = job_factory(2, registration="hang", extra=("--requeue",))
-    job.wait_for_call("megarl.submit.registration")
+    job.wait_for_call("--nodes 2 --device cuda --per-node 8 --hosts node001 node002")  # the wait for all nodes
     job.process.send_signal(signal.SIGTERM)
     status, output = job.finish()
     assert status == 143, output

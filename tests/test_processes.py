@@ -1,5 +1,5 @@
 """megarl.processes: a shielded command survives the SIGTERM meant for the driver, and a sweep finds and stops
-everything started under a mark, a grandchild in a session of its own included."""
+everything below it: its session, a grandchild in a session of its own, an orphan it reaped as subreaper."""
 
 from __future__ import annotations
 
@@ -15,11 +15,17 @@ import pytest
 from megarl import processes
 
 # A parent (the shielded command) that starts a child in a session of its own, as a rollout server is
-# started, prints both PIDs and waits.
+# started, and an orphan (a child whose parent exits at once: it is reparented to the subreaper) in a
+# session of its own and without the mark, as a process that rewrote its environment; prints both, waits.
 FAMILY = """
-import subprocess, sys, time
+import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-print(child.pid, flush=True)
+spawner = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys; env = dict(os.environ); "
+                            "env.pop('MEGARL_PROCESS_MARK'); p = subprocess.Popen(['sleep', '600'], env=env, "
+                            "start_new_session=True); print(p.pid, flush=True)"], stdout=subprocess.PIPE, text=True)
+orphan = int(spawner.stdout.readline())
+spawner.wait()
+print(child.pid, orphan, flush=True)
 time.sleep(600)
 """
 
@@ -28,6 +34,10 @@ def _blocked(pid: int) -> set[int]:
     mask = int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                     if line.startswith("SigBlk:")), 16)
     return {number for number in range(1, 65) if mask >> (number - 1) & 1}
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _alive(pid: int) -> bool:
@@ -43,19 +53,21 @@ def test_a_shielded_family_survives_sigterm_and_the_sweep_stops_all_of_it():
     parent = subprocess.Popen([sys.executable, "-m", "megarl.processes", "shield", sys.executable, "-c", FAMILY],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, processes.MARK_ENV: mark})
     try:
-        child = int(parent.stdout.readline())
+        child, orphan = map(int, parent.stdout.readline().split())
         assert os.getsid(parent.pid) == parent.pid  # the shielded command leads a session of its own
+        assert _parent(orphan) == parent.pid  # reparented to the subreaper, not to init
         for pid in (parent.pid, child):
             assert {signal.SIGTERM, signal.SIGUSR2} <= _blocked(pid), pid  # inherited by the child
-        assert sorted(processes.marked(mark)) == sorted([parent.pid, child])
+        assert sorted(processes.marked(mark)) == sorted([parent.pid, child])  # the orphan lost its mark
+        assert processes.family(mark, parent.pid) == sorted([parent.pid, child, orphan])
         os.kill(parent.pid, signal.SIGTERM)
         os.kill(child, signal.SIGTERM)
         time.sleep(1.0)
         assert _alive(parent.pid) and _alive(child)
-        killed = processes.sweep(mark)
-        assert sorted(killed) == sorted([parent.pid, child])
+        killed = processes.sweep(mark, parent.pid)
+        assert sorted(set(killed)) == sorted([parent.pid, child, orphan])
         assert parent.wait(timeout=10) == -signal.SIGKILL
-        assert not _alive(child) and processes.marked(mark) == []
+        assert not _alive(child) and not _alive(orphan) and processes.family(mark, parent.pid) == []
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -77,14 +89,40 @@ def test_servers_start_shielded_and_stop_on_sigint_only_under_the_shield(monkeyp
         process.wait()
 
 
-def test_the_worker_hook_makes_sigterm_harmless():
-    script = "from megarl.processes import ignore_sigterm; import os, signal; ignore_sigterm(); " \
-             "os.kill(os.getpid(), signal.SIGTERM); print('still here')"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == "still here\n", done.stderr
+def test_a_sweep_never_kills_itself_or_its_caller():
+    # A leader that is this test's own ancestor (its session leader, say) leaves this process alone.
+    assert os.getpid() not in processes.family("no-such-mark", os.getsid(0))
+    assert os.getppid() not in processes.family("no-such-mark", os.getsid(0))
 
 
-@pytest.mark.parametrize("argv", [[], ["sweep"], ["nonsense", "x"]])
+@pytest.mark.parametrize("argv", [[], ["sweep"], ["sweep", "tag", "notapid"], ["nonsense", "x"]])
 def test_usage_errors(argv, capsys):
     assert processes.main(argv) == 2
     assert "usage: python -m megarl.processes" in capsys.readouterr().err
+
+
+class _Rank:
+    """A megarl actor in miniature: shielded first thing, as MegatronWorker and ServerHost are."""
+
+    def __init__(self):
+        processes.shield_ray_actor()
+
+    def state(self) -> tuple[int, str]:
+        return os.getpid(), str(signal.getsignal(signal.SIGTERM))
+
+
+@pytest.mark.dist
+def test_a_shielded_ray_actor_outlives_sigterm_and_the_driver_does_not_ignore_it(ray_session, monkeypatch):
+    ray = ray_session
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this module
+    actor = ray.remote(_Rank).options(num_cpus=0, runtime_env={"env_vars": {processes.SHIELD_ENV: "1"}}).remote()
+    pid, handler = ray.get(actor.state.remote())
+    assert handler == str(signal.SIG_IGN)  # Ray's own handler would end the worker
+    os.kill(pid, signal.SIGTERM)
+    assert ray.get(actor.state.remote())[0] == pid
+    ray.kill(actor)
+    # Outside an actor (the driver uses the same classes locally) nothing changes.
+    monkeypatch.setenv(processes.SHIELD_ENV, "1")
+    before = signal.getsignal(signal.SIGTERM)
+    _Rank()
+    assert signal.getsignal(signal.SIGTERM) is before

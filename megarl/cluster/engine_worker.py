@@ -20,6 +20,7 @@ from megarl.cluster.worker_group import WorkerGroup
 from megarl.config.settings import Batching, OptimizerSettings, WeightSyncSettings
 from megarl.net import node_address
 from megarl.ports import free_port
+from megarl.processes import shield_ray_actor
 from megarl.protocol import Batch
 
 ENGINE_KINDS = ("policy", "value", "reward")
@@ -40,6 +41,7 @@ def _redirect_output(log_path: str) -> None:
 
 class MegatronWorker:
     def __init__(self, *, rank: int, world_size: int, log_path: str | None = None):
+        shield_ray_actor()  # under a launcher, SIGTERM is the driver's: it checkpoints through this rank
         self.rank, self.world_size = rank, world_size
         if log_path is not None:
             _redirect_output(log_path)

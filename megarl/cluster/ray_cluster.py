@@ -27,7 +27,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from megarl.cluster.ray_ports import free_block
-from megarl.processes import MARK_ENV, WORKER_HOOK, shield_on, sweep
+from megarl.processes import MARK_ENV, sweep
 
 # Worker processes inherit these: loopback only, no usage reporting, one
 # OpenMP thread per rank (PLATFORM.md: without it step times swing 60x).
@@ -80,15 +80,11 @@ def start_local_ray(*, temp_dir: str, num_cpus: int | None = None, num_gpus: int
 
 
 def connect_ray(address: str) -> None:
-    """Join an existing cluster (one started by a launcher, or this run's own head). Under a launcher's
-    shield every worker ignores SIGTERM (`megarl.processes`): only the driver acts on it."""
+    """Join an existing cluster (one started by a launcher, or this run's own head)."""
     import ray
 
     if not ray.is_initialized():
-        runtime_env = {"env_vars": _worker_env()}
-        if shield_on():
-            runtime_env["worker_process_setup_hook"] = WORKER_HOOK
-        ray.init(address=address, runtime_env=runtime_env)
+        ray.init(address=address, runtime_env={"env_vars": _worker_env()})
 
 
 HEAD_START_TIMEOUT_S = 120.0
@@ -112,7 +108,8 @@ def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
     ports, mark = free_block(os.getpid()), f"ray-run-{os.getpid()}-{secrets.token_hex(4)}"
     named = ports.named()
     low, high = ports.worker_range
-    argv = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+    argv = [sys.executable, "-m", "megarl.processes", "lead",  # a session of its own, a subreaper
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
             "--include-dashboard=false", "--node-ip-address=127.0.0.1", f"--port={named['gcs']}",
             f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}",
             f"--node-manager-port={named['node_manager']}", f"--object-manager-port={named['object_manager']}",
@@ -125,9 +122,11 @@ def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
     log = Path(temp_dir) / "head.out"
     with open(log, "wb") as output:
         process = subprocess.Popen(argv, env={**os.environ, MARK_ENV: mark}, stdout=output,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    cleanup.callback(sweep, mark)  # after ray.shutdown (registered later, so run earlier)
+                                   stderr=subprocess.STDOUT)
+    # Run in reverse order at the end, after ray.shutdown (registered later): every process of the head's
+    # session and below it, then the head itself is reaped.
     cleanup.callback(_reap, process)
+    cleanup.callback(sweep, mark, process.pid)
     deadline = time.monotonic() + HEAD_START_TIMEOUT_S
     while True:
         if process.poll() is not None:
@@ -143,7 +142,7 @@ def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
 
 
 def _reap(process: subprocess.Popen) -> None:
-    process.kill()  # the sweep that follows stops the rest; its mark covers this process too
+    process.kill()  # the sweep before it killed it already, unless it had exited
     process.wait()
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.ports import free_port, port_is_free
+from megarl.processes import shield_ray_actor
 from megarl.rollout.server import LOG_TAIL_CHARS, ServerHandle, cpu_engine_command, spawn_server
 from megarl.rollout.sglang_launcher import sglang_server_argv
 
@@ -87,6 +88,7 @@ class ServerHost:
     """Starts, restarts, polls and stops the process of server `index`; once closed it starts nothing."""
 
     def __init__(self, spec: ServerSpec, index: int, gpu_ids: list[int] | None = None):
+        shield_ray_actor()  # under a launcher, SIGTERM is the driver's: it may still need this server
         self.spec, self.index, self.gpu_ids = spec, index, gpu_ids
         self.address = bind_address(spec.bind)
         # Listening on every interface still needs one address that others can reach.

@@ -44,12 +44,18 @@ def wait_for_nodes(*, address: str, nodes: int, resource: str, per_node: int, ho
     """None once `nodes` nodes offer `per_node` of `resource`; else a message saying what is missing."""
     import ray
 
+    deadline = time.monotonic() + timeout_s
+    while True:  # the head's port may answer before its GCS serves: try again until the deadline
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            break
+        except (ConnectionError, RuntimeError) as error:
+            ray.shutdown()  # whatever the failed attempt set up
+            if time.monotonic() >= deadline:
+                return (f"cannot join the Ray head at {address} within {timeout_s:.0f} s: {error}; "
+                        f"see {log_dir}/ray-head-{hosts[0]}-{attempt}.log")
+            time.sleep(poll_s)
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    except (ConnectionError, RuntimeError) as error:
-        return f"cannot join the Ray head at {address}: {error}; see {log_dir}/ray-head-{hosts[0]}-{attempt}.log"
-    try:
-        deadline = time.monotonic() + timeout_s
         while True:
             ready, short = registered_nodes(resource=resource, per_node=per_node)
             if len(ready) >= nodes:
