@@ -27,7 +27,7 @@ it started. So
 The launchers turn this on with `SHIELD_ENV=1`.
 
     python -m megarl.processes shield CMD ...    # exec CMD shielded, leading a new session
-    python -m megarl.processes lead CMD ...      # the same, without blocking signals
+    python -m megarl.processes lead PID CMD ...  # the same, not blocking signals, swept once PID exits
     python -m megarl.processes sweep TAG PID     # SIGKILL what PID (the leader) and mark TAG hold
 """
 
@@ -156,27 +156,54 @@ def sweep(tag: str, leader: int | None = None, *, timeout_s: float = 10.0) -> li
         time.sleep(0.1)
 
 
-def exec_leader(argv: list[str], *, shielded: bool) -> None:
+def _watch(owner: int, tag: str, leader: int, poll_s: float = 1.0) -> None:
+    """Until `owner` or `leader` exits; then sweep the leader's family."""
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return Path(f"/proc/{pid}/stat").exists() and _processes().get(pid, ("Z",))[0] != "Z"
+
+    while alive(owner) and alive(leader):
+        time.sleep(poll_s)
+    sweep(tag, leader)
+
+
+def exec_leader(argv: list[str], *, shielded: bool, owner: int | None = None) -> None:
     """Replace this process by `argv`: leader of a new session, a child subreaper (orphans below it stay below
-    it), with the shielded signals blocked if `shielded`."""
+    it), with the shielded signals blocked if `shielded`. With `owner`, a watchdog in the session sweeps the
+    leader's family once the owner exits (even by SIGKILL), so nothing it started outlives it."""
     if shielded:
         signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED_SIGNALS)
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     try:
         os.setsid()
     except PermissionError:
         pass  # already leads its process group (a shell with job control started it): its descendants still count
+    if owner is not None:
+        leader = os.getpid()
+        # The watchdog: in the session, but detached from the leader by a second fork (before the leader
+        # becomes a subreaper), so that the leader is not its ancestor and its sweep covers the leader too.
+        if os.fork() == 0:
+            if os.fork() == 0:
+                _watch(owner, os.environ.get(MARK_ENV, ""), leader)
+            os._exit(0)
+        os.wait()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     os.execvp(argv[0], argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) >= 2 and args[0] in ("shield", "lead"):
-        exec_leader(args[1:], shielded=args[0] == "shield")
+    if len(args) >= 2 and args[0] == "shield":
+        exec_leader(args[1:], shielded=True)
+    if len(args) >= 3 and args[0] == "lead" and args[1].isdigit():
+        exec_leader(args[2:], shielded=False, owner=int(args[1]))
     if len(args) in (2, 3) and args[0] == "sweep" and (len(args) == 2 or args[2].isdigit()):
         sweep(args[1], int(args[2]) if len(args) == 3 else None)
         return 0
-    print("usage: python -m megarl.processes shield|lead CMD ... | sweep TAG [LEADER_PID]", file=sys.stderr)
+    print("usage: python -m megarl.processes shield CMD ... | lead OWNER_PID CMD ... | sweep TAG [LEADER_PID]",
+          file=sys.stderr)
     return 2
 
 

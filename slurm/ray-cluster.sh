@@ -36,6 +36,9 @@ megarl_ray_node() {
     local role=$1 node=${SLURMD_NODENAME:-$(hostname -s)} pid rc=0 try started ip
     local cpus=${SLURM_CPUS_ON_NODE:-$(nproc)}
     local mark="ray-${MEGARL_ATTEMPT:-local}-$node"
+    # One temp dir per node under the job's, should two nodes share a /tmp (short: Ray's socket paths are).
+    local tmpdir
+    tmpdir=$MEGARL_RAY_TMPDIR/$(printf %s "$node" | cksum | cut -d' ' -f1)
     MEGARL_RAY_STOPPING=
     # On CPU a device is a process slot: Ray must offer at least one CPU per slot.
     if [ "$MEGARL_DEVICE" = cpu ] && [ "$cpus" -lt "$MEGARL_GPUS_PER_NODE" ]; then
@@ -46,7 +49,7 @@ megarl_ray_node() {
     if [ "$role" != head ]; then
         ip=$(megarl_python -m megarl.submit.preflight node-ip) || return 1
     fi
-    local args=(start --block --disable-usage-stats --temp-dir="$MEGARL_RAY_TMPDIR" --num-cpus="$cpus"
+    local args=(start --block --disable-usage-stats --temp-dir="$tmpdir" --num-cpus="$cpus"
         --node-ip-address="$ip"
         --node-manager-port="$MEGARL_RAY_NODE_MANAGER_PORT"
         --object-manager-port="$MEGARL_RAY_OBJECT_MANAGER_PORT"
@@ -90,16 +93,17 @@ megarl_ray_node() {
         megarl_log "ray $role on $node exited with status $rc during start-up: trying again"
         sleep 2
     done
-    trap - TERM USR2
+    trap '' TERM USR2  # nothing interrupts the clean-up below
     # Everything this node started (Ray's daemons and workers, their children, the rollout servers) is
-    # found by its mark and SIGKILLed: the driver, which needed them, has exited.
+    # found (session, descendants, mark) and SIGKILLed: the driver, which needed them, has exited.
     # (Inside the braces bash's "Killed" notice for the node's own process goes to /dev/null too.)
     { megarl_python -m megarl.processes sweep "$mark" "$pid"; wait "$pid"; } 2>/dev/null
-    if [ -d "$MEGARL_RAY_TMPDIR/session_latest/logs" ]; then
+    if [ -d "$tmpdir/session_latest/logs" ]; then
         mkdir -p "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT"
-        cp -r "$MEGARL_RAY_TMPDIR/session_latest/logs/." "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT/"
+        cp -r "$tmpdir/session_latest/logs/." "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT/"
     fi
-    rm -rf "$MEGARL_RAY_TMPDIR"
+    rm -rf "$tmpdir"
+    rmdir "$MEGARL_RAY_TMPDIR" 2>/dev/null  # the last node out on a shared /tmp removes the job's dir
     megarl_log "ray $role on $node stopped (status $rc)"
     return "$rc"
 }

@@ -126,3 +126,23 @@ def test_a_shielded_ray_actor_outlives_sigterm_and_the_driver_does_not_ignore_it
     before = signal.getsignal(signal.SIGTERM)
     _Rank()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_led_family_is_swept_when_its_owner_dies_even_by_sigkill(tmp_path):
+    mark = f"lead-{os.getpid()}"
+    # The owner (as `megarl train` is for its own Ray head) starts a leader and is then SIGKILLed.
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import os, subprocess, sys, time\n"
+        f"leader = subprocess.Popen([sys.executable, '-m', 'megarl.processes', 'lead', str(os.getpid()), "
+        f"sys.executable, '-c', {FAMILY!r}], stdout=subprocess.PIPE, text=True, "
+        f"env={{**os.environ, 'MEGARL_PROCESS_MARK': '{mark}'}})\n"
+        "print(leader.pid, leader.stdout.readline().strip(), flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    leader, child, orphan = map(int, owner.stdout.readline().split())
+    assert len(processes.family(mark, leader)) == 4  # the leader, its two descendants and the watchdog
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 20
+    while processes.family(mark, leader) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes.family(mark, leader) == [] and not any(map(_alive, (leader, child, orphan)))

@@ -59,12 +59,27 @@ def new_temp_dir() -> str:
     return tempfile.mkdtemp(prefix="megarl-ray-", dir=base if len(base) <= _MAX_TEMP_DIR_CHARS - 20 else "/tmp")
 
 
-def start_local_ray(*, temp_dir: str, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
-    """Start an in-process Ray head on loopback (no dashboard, no metrics)."""
-    import ray
-
+def _loopback_env() -> None:
+    """Ray on loopback, no usage reporting, no metrics: set before Ray is first imported, which reads it once."""
     for key, value in _RAY_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def _own_head_env() -> None:
+    """Loopback, and a token only this run knows, in the environment only (the driver and the head read it
+    from there): set before Ray is first imported."""
+    _loopback_env()
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    # Ray gives its node a minute to come up; a busy machine (2 cores, a test suite) may need more.
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+
+
+def start_local_ray(*, temp_dir: str, num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+    """Start an in-process Ray head on loopback (no dashboard, no metrics)."""
+    _loopback_env()
+    import ray
+
     if ray.is_initialized():
         return
     ray.init(
@@ -87,7 +102,7 @@ def connect_ray(address: str) -> None:
         ray.init(address=address, runtime_env={"env_vars": _worker_env()})
 
 
-HEAD_START_TIMEOUT_S = 120.0
+HEAD_START_TIMEOUT_S = 300.0  # as long as Ray itself gives a node to come up (RAY_raylet_start_wait_time_s)
 
 
 def _head_failed(process: subprocess.Popen, log: Path, why: str) -> RuntimeError:
@@ -95,20 +110,17 @@ def _head_failed(process: subprocess.Popen, log: Path, why: str) -> RuntimeError
     return RuntimeError(f"this run's Ray head (pid {process.pid}) {why}; its output:\n{tail}")
 
 
-def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
-    """Start a Ray head on loopback in a session of its own and return its address; `cleanup` stops it and
-    every process it started (found by their mark), then removes its temp dir."""
-    for key, value in _RAY_ENV.items():
-        os.environ.setdefault(key, value)
-    # A token only this run knows, in the environment only: the driver and the head read it from there.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> None:
+    """Start a Ray head on loopback in a session of its own and join it; `cleanup` stops it and every process
+    it started, then removes its temp dir."""
+    _own_head_env()
     temp_dir = new_temp_dir()
     cleanup.callback(shutil.rmtree, temp_dir, True)
     ports, mark = free_block(os.getpid()), f"ray-run-{os.getpid()}-{secrets.token_hex(4)}"
     named = ports.named()
     low, high = ports.worker_range
-    argv = [sys.executable, "-m", "megarl.processes", "lead",  # a session of its own, a subreaper
+    # A session of its own, a subreaper, and a watchdog that stops it should this process die without doing so.
+    argv = [sys.executable, "-m", "megarl.processes", "lead", str(os.getpid()),
             sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
             "--include-dashboard=false", "--node-ip-address=127.0.0.1", f"--port={named['gcs']}",
             f"--temp-dir={temp_dir}", f"--num-cpus={num_cpus}",
@@ -127,18 +139,28 @@ def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
     # session and below it, then the head itself is reaped.
     cleanup.callback(_reap, process)
     cleanup.callback(sweep, mark, process.pid)
+    _join_when_ready(named["gcs"], process, log)
+
+
+def _join_when_ready(port: int, process: subprocess.Popen, log: Path) -> None:
+    """Join the head on loopback `port` once its node has registered (its port answers before that)."""
+    import ray
+
     deadline = time.monotonic() + HEAD_START_TIMEOUT_S
     while True:
         if process.poll() is not None:
             raise _head_failed(process, log, f"exited with status {process.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", named["gcs"]), timeout=1):
-                break
-        except OSError:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                pass
+            connect_ray(f"127.0.0.1:{port}")
+            return
+        except (OSError, RuntimeError) as error:  # ConnectionError is an OSError; "no node info" a RuntimeError
+            ray.shutdown()
             if time.monotonic() > deadline:
-                raise _head_failed(process, log, f"did not listen within {HEAD_START_TIMEOUT_S:.0f} s") from None
-            time.sleep(0.2)
-    return f"127.0.0.1:{named['gcs']}"
+                raise _head_failed(process, log, f"could not be joined within {HEAD_START_TIMEOUT_S:.0f} s: "
+                                                 f"{error}") from None
+            time.sleep(0.5)
 
 
 def _reap(process: subprocess.Popen) -> None:
@@ -149,10 +171,12 @@ def _reap(process: subprocess.Popen) -> None:
 def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> None:
     """Join the cluster at `address`, or (none given, none running) start this run's own head, which `cleanup`
     stops with everything it started."""
-    import ray
-
     if address:
         connect_ray(address)
-    elif not ray.is_initialized():
-        connect_ray(start_own_head(cleanup, num_cpus=num_cpus))
+        return
+    _own_head_env()
+    import ray
+
+    if not ray.is_initialized():
+        start_own_head(cleanup, num_cpus=num_cpus)
         cleanup.callback(ray.shutdown)
