@@ -30,7 +30,7 @@ OUT=gpu_check.json
 # Imported by megarl's engines, config and CPU engine, absent from a bare torch image.
 # megatron-core installs without its declared deps (torch, numpy, packaging: in the image).
 PACKAGES="pydantic pyyaml fastapi uvicorn aiohttp psutil"
-GPU_TESTS="tests/test_gpu_engine.py tests/test_gpu_weightsync.py tests/test_engine_offload.py"
+GPU_TESTS="tests/test_gpu_engine.py tests/test_gpu_lora.py tests/test_gpu_weightsync.py tests/test_engine_offload.py"
 API_TESTS="tests/test_sharded_loading.py tests/test_engine_protocol.py"
 
 while [ $# -gt 0 ]; do

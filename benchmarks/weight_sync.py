@@ -42,12 +42,12 @@ from pathlib import Path
 import torch
 
 from megarl.bench import Column, Report
-from megarl.bench.bounds import broadcast_seconds, memcpy_seconds
 from megarl.models import arch_from_hf, hf_param_shapes
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.server import start_cpu_engine
 from megarl.ports import free_port
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
+from megarl.weightsync.bounds import broadcast_seconds, memcpy_seconds
 
 API_KEY = "bench"
 TP, PP = 2, 2

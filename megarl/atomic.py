@@ -8,15 +8,33 @@ of the same path removes.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from megarl.errors import free_space
+
 
 def _temporary(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
+
+
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError raised inside names `path` when it names no file itself (a full disk under pyarrow's or a
+    plain file write's error names none), so the one line the CLI prints says which file; a full disk also
+    says how much is free on it at that moment (before the partial file is removed)."""
+    try:
+        yield
+    except OSError as error:
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+        if error.errno is None or (error.filename is not None and not full):
+            raise
+        reason = os.strerror(error.errno) + (f" ({free_space(path)} on its disk)" if full else "")
+        raise OSError(error.errno, reason, str(error.filename or path)) from error
 
 
 def fsync_dir(path: Path) -> None:
@@ -33,7 +51,7 @@ def write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     temporary = _temporary(path)
     try:
-        with open(temporary, "w") as file:
+        with naming(path), open(temporary, "w") as file:
             file.write(text)
             file.flush()
             os.fsync(file.fileno())
@@ -55,11 +73,12 @@ def new_directory(path: str | Path) -> Iterator[Path]:
     shutil.rmtree(temporary, ignore_errors=True)  # a crashed earlier attempt
     temporary.mkdir(parents=True)
     try:
-        yield temporary
-        for file in temporary.rglob("*"):
-            if file.is_file():
-                with open(file, "rb") as handle:
-                    os.fsync(handle.fileno())
+        with naming(path):
+            yield temporary
+            for file in temporary.rglob("*"):
+                if file.is_file():
+                    with open(file, "rb") as handle:
+                        os.fsync(handle.fileno())
         os.rename(temporary, path)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -76,9 +95,10 @@ def write_files(writers: Mapping[Path, Callable[[Path], object]]) -> None:
     try:
         for path, write in writers.items():
             temporaries[Path(path)].parent.mkdir(parents=True, exist_ok=True)
-            write(temporaries[Path(path)])
-            with open(temporaries[Path(path)], "rb") as handle:
-                os.fsync(handle.fileno())
+            with naming(Path(path)):
+                write(temporaries[Path(path)])
+                with open(temporaries[Path(path)], "rb") as handle:
+                    os.fsync(handle.fileno())
         for path, temporary in temporaries.items():
             os.replace(temporary, path)
     except BaseException:

@@ -123,10 +123,18 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from megarl.engines.export import export_checkpoint
+    if args.lora is not None:
+        from megarl.engines.lora_export import export_peft
 
-    out = export_checkpoint(args.checkpoint, args.hf)
-    print(f"HF checkpoint written: {out}")
+        print(f"PEFT adapter written: {export_peft(args.checkpoint, args.lora)}")
+    elif args.merge is not None:
+        from megarl.engines.lora_export import export_merged
+
+        print(f"HF checkpoint with the LoRA adapters merged written: {export_merged(args.checkpoint, args.merge)}")
+    else:
+        from megarl.engines.export import export_checkpoint
+
+        print(f"HF checkpoint written: {export_checkpoint(args.checkpoint, args.hf)}")
     return 0
 
 
@@ -215,7 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl checkpoint")
     export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")
-    export.add_argument("--hf", type=Path, required=True, help="output directory for the HF checkpoint")
+    output = export.add_mutually_exclusive_group(required=True)
+    output.add_argument("--hf", type=Path, help="output directory for the HF checkpoint")
+    output.add_argument("--lora", type=Path, help="a LoRA checkpoint's adapters as a PEFT adapter dir "
+                        "(adapter_config.json + adapter_model.safetensors)")
+    output.add_argument("--merge", type=Path, help="a LoRA checkpoint's adapters merged into its base: an HF "
+                        "checkpoint dir")
     export.set_defaults(run=_cmd_export)
 
     schema = verbs.add_parser("schema", help="print the recipe JSON Schema")

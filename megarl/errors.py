@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 
 # Failures of the disk, not of megarl: full, over quota, read-only, not ours to write.
 _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
@@ -24,8 +25,20 @@ class InputError(Exception):
         super().__init__("\n".join(self.problems))
 
 
+def free_space(path: str | os.PathLike) -> str:
+    """"N MiB free" on the disk of `path` (or of its nearest existing parent)."""
+    where = os.path.abspath(path)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        return f"{shutil.disk_usage(where).free >> 20} MiB free"
+    except OSError:
+        return "free space unknown"
+
+
 def storage_problem(error: OSError) -> str | None:
-    """One line for an OSError the disk caused (the CLI prints it instead of a traceback); None for any other."""
+    """One line for an OSError the disk caused (the CLI prints it instead of a traceback); None for any other.
+    (`megarl.atomic.naming` puts the file and, for a full disk, the space left into the error.)"""
     if error.errno not in _STORAGE_ERRNOS:
         return None
     return f"cannot write {error.filename or 'a file'}: {error.strerror or os.strerror(error.errno)}"

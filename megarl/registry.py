@@ -44,18 +44,24 @@ class Entry:
 
 
 class Registry:
-    """Name -> `Entry`; `what` names the kind of part in messages, `builtins` the module that registers them."""
+    """Name -> `Entry`; `what` names the kind of part in messages, `builtins` the module that registers them,
+    `required` the metadata every entry must carry (checked when it is registered)."""
 
-    def __init__(self, what: str, *, builtins: str):
+    def __init__(self, what: str, *, builtins: str, required: tuple[str, ...] = ()):
         self.what = what
         self.builtins = builtins
+        self.required = required
         self._entries: dict[str, Entry] = {}
         self._loaded = False
 
     def add(self, name: str, target: Any, **meta: Any) -> Entry:
-        """Register `target` under `name`; a name registered twice is an error at import time, not at step 300."""
+        """Register `target` under `name`; a name registered twice, or without the required metadata, is an error
+        at import time, not at step 300."""
         if name in self._entries:
             raise ValueError(f"{self.what} {name!r} is already registered to {self._entries[name].target!r}")
+        missing = [key for key in self.required if key not in meta]
+        if missing:
+            raise ValueError(f"{self.what} {name!r} needs the metadata {missing}")
         entry = Entry(name, target, MappingProxyType(dict(meta)))
         self._entries[name] = entry
         return entry
@@ -114,4 +120,6 @@ KL_PENALTIES = Registry("KL penalty kind", builtins="megarl.algorithms.kl")
 REWARD_SCORERS = Registry("built-in scorer", builtins="megarl.rewards.registry")
 REWARD_COMBINE_MODES = Registry("reward.combine mode", builtins="megarl.rewards.combine")
 JUDGE_PARSERS = Registry("judge parser", builtins="megarl.rewards.judge")
-WEIGHT_SYNC_TRANSPORTS = Registry("weight-sync transport", builtins="megarl.weightsync")
+MODEL_SPECS = Registry("model_type", builtins="megarl.models.spec")
+# Each transport carries the bound `megarl bench` measures its syncs against (megarl.weightsync.bounds.SyncBound).
+WEIGHT_SYNC_TRANSPORTS = Registry("weight-sync transport", builtins="megarl.weightsync", required=("bound",))

@@ -21,6 +21,7 @@ CONFIG = dict(vocab_size=300, hidden_size=64, num_hidden_layers=4, num_attention
               intermediate_size=96, max_position_embeddings=128, tie_word_embeddings=False)
 ARCH = arch_from_hf({"model_type": "llama", **CONFIG})
 BUCKET_BYTES = 40_000  # several buckets per stage
+SYNC_BUCKET_BYTES = 52_428  # 0.05 MiB: an engine's push is several buckets too
 PP_TRANSPORTS = {"distributed": 31, "tensor": 32, "disk": 33}  # transport -> weight seed
 
 
@@ -98,8 +99,8 @@ def megatron_worker_pushes(*, rank: int, checkpoint: str, url: str, disk_dir: st
                                                    ("disk", "checksum"),
                                                    ("tensor", "checksum"),
                                                    ("tensor", "none")]):
-        settings = WeightSyncSettings(transport=transport, bucket_mb=0.05, verify=verify, timeout_s=60,
-                                      disk_dir=disk_dir)
+        settings = WeightSyncSettings(transport=transport, bucket_bytes=SYNC_BUCKET_BYTES, verify=verify,
+                                      timeout_s=60, disk_dir=disk_dir, lora="merged")
         metrics = worker.push_weights(urls=[url], api_key=API_KEY, version=version, settings=settings)
         if rank == 0:
             results[version] = (metrics, server_digests(client), client.model_info()[0]["weight_version"])
@@ -118,8 +119,8 @@ def megatron_moe_ep_push(*, rank: int, checkpoint: str, url: str) -> dict | None
 
     worker = MegatronWorker(rank=rank, world_size=2)
     worker.engine = policy_engine(checkpoint)
-    settings = WeightSyncSettings(transport="tensor", bucket_mb=0.05, verify="checksum", timeout_s=60,
-                                  disk_dir="unused")
+    settings = WeightSyncSettings(transport="tensor", bucket_bytes=SYNC_BUCKET_BYTES, verify="checksum",
+                                  timeout_s=60, disk_dir="unused", lora="merged")
     metrics = worker.push_weights(urls=[url], api_key=API_KEY, version="ep", settings=settings)
     digests = None
     if rank == 0:

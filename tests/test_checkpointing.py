@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from megarl.cli import main
+from megarl.cluster.engine_worker import MegatronWorker
 from megarl.config import dump_recipe, load_recipe
 from megarl.controller.checkpointing import (
     MARKER,
@@ -36,8 +37,8 @@ class FileWritingGroup:
     def __init__(self, role: str):
         self.role, self.saves = role, 0
 
-    def run(self, method: str, ckpt_dir: str, **kwargs) -> None:
-        assert method == "save_checkpoint"
+    def run(self, method, ckpt_dir: str, **kwargs) -> None:
+        assert method is MegatronWorker.save_checkpoint
         self.saves += 1
         path = Path(ckpt_dir)
         path.mkdir(parents=True)
@@ -184,7 +185,8 @@ def test_weights_only_saves_and_loads_without_optimizer_state(tmp_path):
     assert json.loads((checkpoint.path / "actor" / "metadata.json").read_text())["weights_only"] is True
 
     calls = []
-    recording = SimpleNamespace(run=lambda method, path, **kwargs: calls.append((method, Path(path).name, kwargs)))
+    recording = SimpleNamespace(run=lambda method, path, **kwargs: calls.append((method.__name__, Path(path).name,
+                                                                                   kwargs)))
     load_step(SimpleNamespace(actor=SimpleNamespace(group=recording), critic=None,
                               reference=SimpleNamespace(group=recording)), checkpoint)
     assert calls == [("load_checkpoint", "actor", {"load_optimizer": False}),

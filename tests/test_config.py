@@ -30,6 +30,7 @@ def cluster_recipe() -> dict[str, Any]:
                 "model_type": "llama",
                 "vocab_size": 1000,
                 "hidden_size": 256,
+                "intermediate_size": 512,
                 "num_hidden_layers": 8,
                 "num_attention_heads": 8,
                 "num_key_value_heads": 4,
@@ -360,7 +361,7 @@ BAD_RULES = [
     (["actor.parallel.vpp=3"], "actor.parallel.vpp: num_hidden_layers = 8 is not divisible by pp*vpp = 2*3 (got 3)"),
     # heads vs tp (training roles and rollout servers)
     (
-        ["model.config.num_attention_heads=6", "model.config.num_key_value_heads=2"],
+        ["model.config.num_attention_heads=6", "model.config.num_key_value_heads=2", "model.config.hidden_size=384"],
         "critic.parallel.tp: num_attention_heads = 6 is not divisible by tp (got 4)",
     ),
     (
@@ -462,7 +463,7 @@ GOOD_RULES = [
     ["data.max_response_length=1536"],  # exactly max_position_embeddings
     ["algorithm.adv_estimator=grpo", "critic=null", "rollout.n=2"],
     ["algorithm.adv_estimator=reinforce_plus_plus", "critic=null"],  # no group: n = 1 is fine
-    ["data.train_files=[]", "data.val_files=[]", "data.synthetic={task: addition, num_train: 10, num_val: 5}"],
+    ["data.train_files=[]", "data.val_files=[]", "data.synthetic={task: addition, num_train: 100, num_val: 5}"],
     ["trainer.val_every=0", "data.val_files=[]"],
     ["placement.device=cpu", "rollout.backend=cpu"],
     ["reference.parallel.tp=3"],  # the reference is not started without KL, so not checked
@@ -556,7 +557,9 @@ HEADS = ("num_attention_heads", "num_key_value_heads")
 def test_critic_model_path_is_checked_with_its_own_config(tmp_path: Path) -> None:
     value_model = tmp_path / "value"
     value_model.mkdir()
-    (value_model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 2}))
+    (value_model / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4,
+                                                         "num_attention_heads": 2, "hidden_size": 64,
+                                                         "intermediate_size": 128, "vocab_size": 1000}))
     path = write(tmp_path, cluster_recipe())
     problems = problems_of(path, [f"critic.model_path={value_model}"])
     assert problems == [f"{path}: critic.parallel.tp: {heads} = 2 is not divisible by tp (got 4)" for heads in HEADS]
@@ -564,14 +567,12 @@ def test_critic_model_path_is_checked_with_its_own_config(tmp_path: Path) -> Non
     assert missing == f"--set: critic.model_path: {tmp_path / 'config.json'} not found (got '{tmp_path}')"
 
 
-def test_model_config_needs_layer_and_head_counts(cluster: Path) -> None:
-    (line,) = problems_of(
+def test_model_config_needs_every_size_the_engines_build_from(cluster: Path) -> None:
+    lines = problems_of(
         cluster, ["model.config={model_type: llama, num_attention_heads: 8, max_position_embeddings: 4096}"]
     )
-    assert (
-        line == "--set: model.config.num_hidden_layers: "
-        "the model config needs a positive integer num_hidden_layers (got None)"
-    )
+    assert lines == [f"--set: model.config.{key}: required key missing (got None)"
+                     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size")]
 
 
 def test_importing_config_pulls_no_heavy_dependencies() -> None:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _settings import sampling
 from _tiny import greedy_continuation
 from test_cpu_engine import (
     API_KEY,
@@ -38,6 +39,7 @@ from megarl.models import arch_from_hf, hf_to_megatron
 from megarl.rollout import RolloutClient, RolloutFleet, ServerSpec
 from megarl.rollout.fleet_member import FleetMember
 from megarl.rollout.server import start_cpu_engine
+from megarl.rollout.server_host import ServerHost
 from megarl.rollout.weight_wire import (
     deserialize_named_tensors,
     flatten_bucket,
@@ -236,8 +238,8 @@ def test_an_update_made_without_pausing_waits_for_running_requests(server, model
 class _RunningHost:
     """A server host whose process is running (the fleet asks it for the exit code)."""
 
-    def call(self, method: str, *args):
-        assert method == "exit_code"
+    def call(self, method, *args):
+        assert method is ServerHost.exit_code
         return None
 
 
@@ -307,7 +309,7 @@ def test_fleet_releases_and_resumes_its_servers_memory_around_a_sync(models, oth
     KV cache, generate. The fleet starts its servers with the memory saver when the spec says so."""
     spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path), api_key=API_KEY,
                       enable_memory_saver=True)
-    with RolloutFleet(spec, num_servers=1, max_response_length=4, pad_token_id=0, use_ray=False,
+    with RolloutFleet(spec, num_servers=1, pad_token_id=0, use_ray=False,
                       startup_timeout_s=120) as fleet:
         fleet.set_weight_source(str(models["other"]))
         fleet.release_memory()
@@ -317,7 +319,7 @@ def test_fleet_releases_and_resumes_its_servers_memory_around_a_sync(models, oth
         fleet.sync_weights(version=7)
         fleet.resume_memory(["kv_cache", "cuda_graph"])
         with RolloutClient(fleet.urls, api_key=API_KEY) as client:
-            result = client.generate([PROMPTS[2]], max_new_tokens=4, temperature=0.0, ignore_eos=True)[0]
+            result = client.generate([PROMPTS[2]], sampling(4, temperature=0.0, ignore_eos=True))[0]
         assert result.output_ids == greedy_continuation(other, PROMPTS[2], 4) and result.weight_version == "7"
         assert fleet.weight_version == "7"
 

@@ -74,7 +74,7 @@ def test_write_arithmetic_dataset_holds_out_test_pairs(tmp_path):
     assert (len(train), len(test)) == (200, 10)
     assert not {row["extra_info"]["question"] for row in train} & {row["extra_info"]["question"] for row in test}
     assert {row["extra_info"]["split"] for row in test} == {"test"}
-    with pytest.raises(InputError, match="num_val=16 leaves no"):
+    with pytest.raises(InputError, match=r"data.synthetic.num_val: leaves no .* \(got 16\)"):
         write_arithmetic_dataset(tmp_path, num_train=1, num_val=16, seed=0, max_operand=3)
 
 
@@ -115,7 +115,7 @@ def test_dataset_tokenizes_filters_and_keeps_fields(tmp_path, tokenizer, caplog)
     first = write_prompts(tmp_path / "a.parquet", contents[:2])
     second = write_prompts(tmp_path / "b.parquet", contents[2:], data_source="openai/gsm8k")
     limit = len(chat_ids(tokenizer, "What is 1 + 2?"))
-    dataset = RLDataset([first, str(second)], tokenizer, max_prompt_length=limit)
+    dataset = RLDataset.from_files([first, str(second)], tokenizer, max_prompt_length=limit)
     assert len(dataset) == 2 and dataset.num_dropped == 1
     assert "dropped 1 of 3 prompts longer than max_prompt_length" in caplog.text
     assert dataset[0]["input_ids"] == chat_ids(tokenizer, "short")
@@ -137,7 +137,7 @@ class _NoTemplate:
 def test_dataset_input_errors(tmp_path, tokenizer):
     missing = tmp_path / "missing.parquet"
     with pytest.raises(InputError) as error:
-        RLDataset([missing, tmp_path / "other.parquet"], tokenizer, max_prompt_length=64)
+        RLDataset.from_files([missing, tmp_path / "other.parquet"], tokenizer, max_prompt_length=64)
     assert error.value.problems == [
         f"data file {missing}: no such file",
         f"data file {tmp_path / 'other.parquet'}: no such file",
@@ -148,11 +148,11 @@ def test_dataset_input_errors(tmp_path, tokenizer):
     no_source = {**good, "data_source": None}
     bad_prompt = {**good, "prompt": []}
     with pytest.raises(InputError, match="has no chat template"):
-        RLDataset([write_rows([good], tmp_path / "good.parquet")], _NoTemplate(), max_prompt_length=64)
+        RLDataset.from_files([write_rows([good], tmp_path / "good.parquet")], _NoTemplate(), max_prompt_length=64)
 
     path = write_rows([good, no_truth, no_source, bad_prompt], tmp_path / "bad.parquet")
     with pytest.raises(InputError) as error:
-        RLDataset([path], tokenizer, max_prompt_length=64)
+        RLDataset.from_files([path], tokenizer, max_prompt_length=64)
     assert error.value.problems == [
         f"{path} row 1: reward_model.ground_truth is missing "
         "(reward_model = {'style': 'rule', 'ground_truth': None})",
@@ -165,7 +165,7 @@ def test_dataset_input_errors(tmp_path, tokenizer):
 def ten_prompts(tmp_path, tokenizer):
     # Prompt lengths differ (1 to 10 "x" words), so batches really are left-padded.
     path = write_prompts(tmp_path / "ten.parquet", [" ".join(["x"] * (i + 1)) for i in range(10)])
-    return RLDataset([path], tokenizer, max_prompt_length=128)
+    return RLDataset.from_files([path], tokenizer, max_prompt_length=128)
 
 
 def test_batches_are_left_padded_with_positions(ten_prompts, tokenizer):
@@ -245,3 +245,26 @@ def test_load_state_dict_rejects_out_of_range(ten_prompts):
     with pytest.raises(ValueError, match="out of range for 10 prompts"):
         loader.load_state_dict({"epoch": 0, "position": 11, "seed": 0})
     assert np.array_equal(next(loader)["index"], next(PromptLoader(ten_prompts, 3, shuffle=True, seed=0))["index"])
+
+
+def test_preference_pairs_carry_an_optional_margin(tmp_path, tokenizer):
+    from megarl.commands.rm_training import Pairs
+    from megarl.data.preference import read_pairs, write_pairs
+    from megarl.data.rm_inputs import RewardModelInputs
+
+    prompt = [{"role": "user", "content": "1+1=?"}]
+    plain = write_pairs([{"prompt": prompt, "chosen": "#### 2", "rejected": "#### 3"}], tmp_path / "plain.parquet")
+    with_margin = write_pairs([{"prompt": prompt, "chosen": "#### 2", "rejected": "3", "margin": 1.5}],
+                              tmp_path / "margin.parquet")
+    rows = read_pairs([plain, with_margin])
+    assert "margin" not in rows[0] and rows[1]["margin"] == 1.5
+    pairs = Pairs.build(rows, RewardModelInputs(tokenizer, tokenizer, max_length=64))
+    # A file without the column trains the plain loss (margin 0); the update rows carry the margins.
+    assert pairs.margin.tolist() == [0.0, 1.5]
+    assert pairs.batch(np.array([1, 0]))["margin"].tolist() == [1.5, 0.0]
+
+    bad = write_pairs([{"prompt": prompt, "chosen": "a", "rejected": "b", "margin": float("nan")}],
+                      tmp_path / "bad.parquet")
+    with pytest.raises(InputError) as caught:
+        read_pairs([bad])
+    assert caught.value.problems == [f"{bad} row 0: margin is not a finite number (got nan)"]

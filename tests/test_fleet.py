@@ -17,6 +17,7 @@ import urllib.request
 
 import pytest
 from _http import call as http_call
+from _settings import sampling
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -25,8 +26,9 @@ from megarl.protocol import Batch
 from megarl.rollout import FleetError, RolloutClient, RolloutFleet, ServerSpec, ServerStartError
 from megarl.rollout.batching import prompt_groups, prompt_token_lists, rollout_batch
 from megarl.rollout.client import RolloutError
-from megarl.rollout.dispatch import generate_rows, sample_seed
+from megarl.rollout.dispatch import generate_rows
 from megarl.rollout.results import GenerationResult
+from megarl.rollout.sampling import sample_seed
 from megarl.rollout.sglang_launcher import sglang_server_argv
 from megarl.models import arch_from_hf, hf_to_megatron
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
@@ -36,6 +38,7 @@ MAX_RESPONSE = 48
 STOP_IDS = list(range(3, 512, 16))  # ~1 in 16 tokens stops a sample: both finish reasons occur
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17, 18], [19, 20], [21]]
 N = 4
+SAMPLING = sampling(MAX_RESPONSE, stop_token_ids=STOP_IDS)
 
 
 # ---- the SGLang command line ------------------------------------------------------------------
@@ -110,7 +113,7 @@ def test_dispatch_retries_unreachable_and_aborted_samples_and_stores_each_row_on
     targets = FakeTargets(["http://dead", "http://alive"])
     prompts = [[1], [1], [2], [2], [3]]
     reported: list[tuple[int, GenerationResult]] = []
-    results = asyncio.run(generate_rows(prompts, [[0, 1], [2, 3], [4]], sampling={"max_new_tokens": 1}, seed=7,
+    results = asyncio.run(generate_rows(prompts, [[0, 1], [2, 3], [4]], sampling=sampling(1), seed=7,
                                         targets=targets, request=request, max_attempts=4,
                                         on_rows=lambda rows, outputs: reported.extend(zip(rows, outputs))))
     assert [r.output_ids for r in results] == [[sample_seed(7, row) % 1000] for row in range(5)]
@@ -130,11 +133,11 @@ def test_dispatch_fails_at_once_on_a_bad_request_and_after_bounded_attempts():
         raise RolloutError(url, endpoint, None, "connection refused")
 
     with pytest.raises(RolloutError, match="HTTP 400"):
-        asyncio.run(generate_rows([[1]], [[0]], sampling={}, seed=0, targets=FakeTargets(["http://a"]),
+        asyncio.run(generate_rows([[1]], [[0]], sampling=sampling(1), seed=0, targets=FakeTargets(["http://a"]),
                                   request=bad_request, max_attempts=4))
     targets = FakeTargets(["http://a", "http://b"])
     with pytest.raises(FleetError, match="failed 3 times"):
-        asyncio.run(generate_rows([[1]], [[0]], sampling={}, seed=0, targets=targets, request=unreachable,
+        asyncio.run(generate_rows([[1]], [[0]], sampling=sampling(1), seed=0, targets=targets, request=unreachable,
                                   max_attempts=3))
     assert len(targets.failures) == 2
 
@@ -179,8 +182,7 @@ def models(tmp_path_factory):
 def fleet(ray_session, models, tmp_path_factory):
     spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path_factory.mktemp("logs")),
                       api_key=API_KEY)
-    with RolloutFleet(spec, num_servers=2, max_response_length=MAX_RESPONSE, pad_token_id=0,
-                      stop_token_ids=STOP_IDS, seed=11, max_concurrency=1, use_ray=True) as started:
+    with RolloutFleet(spec, num_servers=2, pad_token_id=0, seed=11, max_concurrency=1, use_ray=True) as started:
         yield started
 
 
@@ -227,7 +229,7 @@ def assert_every_uid_once(out: Batch, gen_batch: Batch) -> None:
 @pytest.mark.dist
 def test_generation_returns_every_row_once_with_its_seeded_sample(fleet):
     gen_batch = generation_batch(PROMPTS, N)
-    out = fleet.generate(gen_batch, temperature=1.0, seed=3)
+    out = fleet.generate(gen_batch, SAMPLING, seed=3)
     assert_every_uid_once(out, gen_batch)
     url = fleet.urls[1]
     lengths = out["attention_mask"][:, -MAX_RESPONSE:].sum(-1)
@@ -252,11 +254,11 @@ def test_killed_server_is_restarted_and_resynced_and_no_row_is_lost(fleet, pushe
     assert fleet.weight_version == "7"
     assert [call(url, "/model_info")[1]["weight_version"] for url in fleet.urls] == ["7", "7"]
     gen_batch = generation_batch(PROMPTS, N)
-    reference = fleet.generate(gen_batch, temperature=1.0, seed=5)
+    reference = fleet.generate(gen_batch, SAMPLING, seed=5)
 
     victim = fleet.status()[0]
     holder: dict = {}
-    worker = threading.Thread(target=lambda: holder.update(out=fleet.generate(gen_batch, temperature=1.0, seed=5)))
+    worker = threading.Thread(target=lambda: holder.update(out=fleet.generate(gen_batch, SAMPLING, seed=5)))
     worker.start()
     deadline = time.monotonic() + 30
     while call(victim["url"], "/server_info")[1]["num_running_reqs"] < 1:
@@ -307,7 +309,7 @@ def test_server_that_never_becomes_healthy_fails_with_its_log_tail(tmp_path):
     (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
     spec = ServerSpec(backend="cpu", model_path=str(broken), log_dir=str(tmp_path / "logs"), api_key=API_KEY)
     with pytest.raises(ServerStartError) as error:
-        RolloutFleet(spec, num_servers=1, max_response_length=8, pad_token_id=0, use_ray=False, startup_timeout_s=60)
+        RolloutFleet(spec, num_servers=1, pad_token_id=0, use_ray=False, startup_timeout_s=60)
     message = str(error.value)
     assert "rollout server 0" in message and "exited with status" in message
     assert "no-such-architecture" in message  # from the server's own log
@@ -317,13 +319,13 @@ def test_server_that_never_becomes_healthy_fails_with_its_log_tail(tmp_path):
 @pytest.mark.dist
 def test_error_names_every_server_when_all_are_dead(models, tmp_path):
     spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path), api_key=API_KEY)
-    with RolloutFleet(spec, num_servers=2, max_response_length=8, pad_token_id=0, use_ray=False,
+    with RolloutFleet(spec, num_servers=2, pad_token_id=0, use_ray=False,
                       max_restarts=0) as doomed:
         servers = doomed.status()
         for server in servers:
             os.kill(server["pid"], signal.SIGKILL)
         with pytest.raises(FleetError) as error:
-            doomed.generate(generation_batch(PROMPTS[:2], 1), temperature=1.0, seed=0)
+            doomed.generate(generation_batch(PROMPTS[:2], 1), sampling(8), seed=0)
     message = str(error.value)
     for server in servers:
         assert f"server {server['index']} at {server['url']}: dead" in message

@@ -2,8 +2,8 @@
 
 Each package may import only itself and the packages above it in the table; the
 top-level helper modules (`megarl/atomic.py`, `errors.py`, `net.py`, `ports.py`, `processes.py`,
-`registry.py`) may be imported from anywhere and import no package. Seams the table alone does not
-show are checked too: production weight sync never reaches into the CPU test
+`registry.py`, `userfiles.py`) may be imported from anywhere and import no package. Seams the table
+alone does not show are checked too: production weight sync never reaches into the CPU test
 engine; Ray placement (placement groups, scheduling strategies) is megarl/cluster's
 alone; the run (megarl/controller), the other commands and the metric sinks never
 import Ray (they reach it through megarl/cluster); and no two modules import each
@@ -20,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megarl"
-BASE_MODULES = ("megarl.atomic", "megarl.errors", "megarl.net", "megarl.ports", "megarl.processes", "megarl.registry")
+BASE_MODULES = ("megarl.atomic", "megarl.errors", "megarl.net", "megarl.ports", "megarl.processes", "megarl.registry",
+                "megarl.userfiles")
 PLACEMENT_NAMES = ("placement_group", "PlacementGroupSchedulingStrategy", "remove_placement_group")
 
 
@@ -150,7 +151,8 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("registry_name", ["ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "LOSS_AGG_MODES",
-                                           "KL_PENALTIES", "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS"])
+                                           "KL_PENALTIES", "REWARD_SCORERS", "WEIGHT_SYNC_TRANSPORTS",
+                                           "MODEL_SPECS"])
 def test_each_registry_loads_its_builtins_from_a_lower_layer(registry_name):
     import megarl.registry
 

@@ -159,9 +159,25 @@ def test_bad_configs_raise_input_error_naming_the_value():
     with pytest.raises(InputError) as info:
         arch_from_hf({"model_type": "llama", "vocab_size": 10, "hidden_act": "gelu"})
     text = str(info.value)
-    assert "'num_hidden_layers'" in text and "'hidden_size'" in text
-    with pytest.raises(InputError, match="hidden_act='gelu'"):
+    assert "num_hidden_layers: required key missing" in text and "hidden_size: required key missing" in text
+    with pytest.raises(InputError, match="hidden_act: is not supported \\(only 'silu'\\) \\(got 'gelu'\\)"):
         arch_from_hf({"model_type": "llama", **TINY, "hidden_act": "gelu"})
+    with pytest.raises(InputError, match="model_type=None is not supported"):
+        arch_from_hf(dict(TINY))
+
+
+def test_a_family_is_one_registry_entry():
+    from megarl.models.spec import ModelSpec
+    from megarl.registry import MODEL_SPECS
+
+    # A family that differs from Llama only in its name: registering its spec is all it takes.
+    MODEL_SPECS.add("tinyllama_test", ModelSpec("tinyllama_test", always_qkv_bias=True, qk_layernorm=False))
+    try:
+        arch = arch_from_hf({"model_type": "tinyllama_test", **TINY})
+        assert arch.model_type == "tinyllama_test" and arch.qkv_bias
+    finally:
+        MODEL_SPECS.remove("tinyllama_test")
+    assert MODEL_SPECS.names() == ["llama", "qwen2", "qwen3", "qwen3_moe"]
 
 
 MOE = dict(
@@ -231,12 +247,12 @@ def test_expert_parallel_shards_hold_contiguous_expert_blocks():
 
 
 def test_moe_configs_outside_the_mapped_subset_are_input_errors():
-    with pytest.raises(InputError, match="decoder_sparse_step=2"):
+    with pytest.raises(InputError, match=r"decoder_sparse_step: .* \(got 2\)"):
         arch_from_hf({"model_type": "qwen3_moe", **MOE, "decoder_sparse_step": 2})
-    with pytest.raises(InputError, match=r"mlp_only_layers=\[0\]"):
+    with pytest.raises(InputError, match=r"mlp_only_layers: .* \(got \[0\]\)"):
         arch_from_hf({"model_type": "qwen3_moe", **MOE, "mlp_only_layers": [0]})
-    with pytest.raises(InputError, match="num_experts_per_tok=5"):
+    with pytest.raises(InputError, match=r"num_experts_per_tok: must be in 1..num_experts = 4 \(got 5\)"):
         arch_from_hf({"model_type": "qwen3_moe", **MOE, "num_experts_per_tok": 5})
     missing = {k: v for k, v in MOE.items() if k != "moe_intermediate_size"}
-    with pytest.raises(InputError, match="'moe_intermediate_size'"):
+    with pytest.raises(InputError, match="moe_intermediate_size: required key missing"):
         arch_from_hf({"model_type": "qwen3_moe", **missing})

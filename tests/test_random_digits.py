@@ -27,7 +27,7 @@ def test_every_prompt_has_exactly_the_length(tmp_path, tokenizer, length):
     train, test = write_random_digits_dataset(tmp_path, num_train=50, num_val=10, seed=3, prompt_length=length,
                                               tokenizer=tokenizer)
     for path in (train, test):
-        dataset = RLDataset([path], tokenizer, max_prompt_length=length)
+        dataset = RLDataset.from_files([path], tokenizer, max_prompt_length=length)
         assert len(dataset) == pq.read_table(path).num_rows and dataset.num_dropped == 0
         assert {len(ids) for ids in dataset.input_ids} == {length}
         assert set(dataset.data_sources) == {DATA_SOURCE}

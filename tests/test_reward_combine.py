@@ -43,7 +43,8 @@ def test_the_rule_mode_needs_no_model_side_the_others_do():
 def test_the_reward_sits_at_the_last_valid_response_token():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 1, 1]])
     placed = at_last_token(torch.tensor([2.0, 5.0, -1.0]), mask)
-    assert placed.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, -1.0]]
+    # The empty response keeps its score at index 0, outside its mask, so every row's sum is its score.
+    assert placed.tolist() == [[0.0, 2.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, -1.0]]
 
 
 def test_recipe_options_reach_the_modes():

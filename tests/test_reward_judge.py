@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _settings import sampling
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -17,7 +18,14 @@ from megarl.controller.judge import JudgeScorer
 from megarl.controller.reward_loop import ModelSide, RewardLoop
 from megarl.data.tokenizer import load_tokenizer
 from megarl.protocol import Batch
-from megarl.rewards.judge import judge_message, parse_last_number, parse_score_tag, parse_yes_no, read_verdicts
+from megarl.rewards.judge import (
+    judge_message,
+    parse_fraction,
+    parse_last_number,
+    parse_score_tag,
+    parse_yes_no,
+    read_verdicts,
+)
 from megarl.rewards.manager import RewardManager
 from megarl.rewards.registry import build_scorers
 from megarl.rollout import RolloutFleet, ServerSpec
@@ -27,10 +35,16 @@ TEMPLATE = "Question: {prompt}\nAnswer: {response}\nReference: {ground_truth}\nG
 
 
 def test_parsers():
-    assert parse_last_number("the answer is fine, 7/10") == 10.0
+    # A fraction is neither of its numbers: "7/10" is a parse failure unless `fraction` is asked for.
+    assert parse_last_number("the answer is fine, 7/10") is None
+    assert parse_last_number("the answer is fine, 7 / 10.") is None
+    assert parse_last_number("right in 1/2 of the steps; grade 8") == 8.0
     assert parse_last_number("Score: 8.5") == 8.5 and parse_last_number("no digits") is None
+    assert parse_fraction("the answer is fine, 7/10") == pytest.approx(0.7)
+    assert parse_fraction("3/4 right, so 9 / 12 overall; 8") == pytest.approx(0.75)
+    assert parse_fraction("8") is None and parse_fraction("1/0") is None
     assert parse_score_tag("think... <score> 3 </score> <score>6</score>") == 6.0
-    assert parse_score_tag("6") is None
+    assert parse_score_tag("6") is None and parse_score_tag("<score>7/10</score>") is None
     assert parse_yes_no("Is it right? No. Well, yes.") == 1.0 and parse_yes_no("NO") == 0.0
     assert parse_yes_no("maybe") is None
 
@@ -40,6 +54,15 @@ def test_unreadable_and_out_of_range_verdicts_get_the_fail_score_and_are_marked(
                              fail_score=-5.0)
     assert verdicts.scores == [7.0, -5.0, -5.0, -5.0, 10.0]
     assert verdicts.failed == [False, True, True, True, False]
+
+
+def test_the_tagged_form_is_the_default_parser():
+    from megarl.config.reward import JudgeConfig
+
+    assert JudgeConfig(model_path="/j", prompt_template="{response}").parser == "score_tag"
+    verdicts = read_verdicts(["<score>7</score>", "7/10", "7"], parser="score_tag", score_range=(0.0, 10.0),
+                             fail_score=0.0)
+    assert verdicts.scores == [7.0, 0.0, 0.0] and verdicts.failed == [False, True, True]
 
 
 def test_the_judge_message_is_the_template_over_the_row():
@@ -68,8 +91,7 @@ def judge_fleet(tmp_path_factory):
     tokenizer.save_pretrained(path)
     spec = ServerSpec(backend="cpu", model_path=str(path), tokenizer_path=str(path),
                       log_dir=str(tmp_path_factory.mktemp("judge-logs")), api_key="judge-key")
-    fleet = RolloutFleet(spec, num_servers=1, max_response_length=1, pad_token_id=tokenizer.pad_token_id,
-                         stop_token_ids=[tokenizer.eos_token_id], use_ray=False)
+    fleet = RolloutFleet(spec, num_servers=1, pad_token_id=tokenizer.pad_token_id, use_ray=False)
     yield fleet, tokenizer
     fleet.shutdown()
 
@@ -95,7 +117,8 @@ def test_judge_fleet_verdicts_through_the_reward_loop(judge_fleet):
     # "7" is a readable grade in 0..10 and out of range in 0..5: a parse failure, scored 0 and counted.
     for score_range in ((0.0, 10.0), (0.0, 5.0)):
         judge = JudgeScorer(fleet, tokenizer, template=TEMPLATE, parser="last_number", score_range=score_range,
-                            fail_score=score_range[0], temperature=0.0)
+                            fail_score=score_range[0],
+                            sampling=sampling(1, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,)))
         loop = RewardLoop(manager=RewardManager(tokenizer, build_scorers()), tokenizer=tokenizer, combine="rm",
                           combine_options={}, model_side=ModelSide(judge=judge))
         batch, gen = _row_batches(tokenizer, 4)

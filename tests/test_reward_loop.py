@@ -1,5 +1,6 @@
 """The reward loop: rows scored while generation runs, reward-model batches as they fill, the combine and its
-placement, metrics and timings, and a remote failure failing the step by uid.
+placement, metrics and timings, a remote failure failing the step by uid or dropping the row from its group,
+and a remote that the combine does not use never being called.
 
 Generation is played by a thread that hands finished groups to `ScoringRun.add` with
 pauses in between (what the fleet's callback does). The reward model is a stand-in
@@ -11,14 +12,21 @@ test_e2e_reward_model.py.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
+from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from megarl.algorithms.advantages import grpo
+from megarl.algorithms.metrics import compute_data_metrics
+from megarl.config import load_recipe
 from megarl.controller.reward_loop import ModelSide, RewardLoop
+from megarl.controller.reward_setup import start_reward_loop
 from megarl.data.rm_inputs import RewardModelInputs
 from megarl.data.tokenizer import load_tokenizer
 from megarl.protocol import Batch
@@ -32,6 +40,7 @@ ANSWERS = ["#### 5", "#### 7", "12", "#### 9"]  # ground truth of each prompt
 RESPONSES = [["#### 5", "#### 6", "#### 5"], ["#### 7", "", "no idea"], ["#### 12", "#### 12", "#### 21"],
              ["#### 9", "#### 9", "nine"]]
 RM_CALL_S = 0.3
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 
 
 class SlowRewardModel:
@@ -132,11 +141,11 @@ def test_reward_model_batches_fill_while_generating_and_the_combine_lands_in_pla
                    for p in range(PROMPTS) for text in RESPONSES[p]])
     lengths = (responses != tokenizer.pad_token_id).sum(-1)[order]
     for i, row in enumerate(order):
-        expected = 2.0 * rule[row] + 0.5 * rm[row] if lengths[i] else 0.0  # an empty response carries nothing
+        expected = 2.0 * rule[row] + 0.5 * rm[row]  # an empty response too: the row's sum returns its score
         assert out["token_level_scores"][i].sum().item() == pytest.approx(expected, abs=1e-6)
-        if lengths[i]:
-            assert out["token_level_scores"][i, lengths[i] - 1].item() == pytest.approx(expected, abs=1e-6)
-            assert out["rm_scores"][i, lengths[i] - 1].item() == pytest.approx(rm[row], abs=1e-6)
+        at = max(int(lengths[i]) - 1, 0)
+        assert out["token_level_scores"][i, at].item() == pytest.approx(expected, abs=1e-6)
+        assert out["rm_scores"][i, at].item() == pytest.approx(rm[row], abs=1e-6)
     has = np.array([bool(text) for p in range(PROMPTS) for text in RESPONSES[p]])
     assert metrics["reward/rm_score/mean"] == pytest.approx(rm[has].mean())
     assert metrics["reward/rm_score/max"] == pytest.approx(rm[has].max())
@@ -177,3 +186,78 @@ def test_a_remote_row_that_keeps_failing_fails_the_step_naming_its_uid(tokenizer
     loop.close()
     named = {(uid, sample) for uid, sample, _ in error.value.failures}
     assert named == {(f"u{p}", s) for p in range(PROMPTS) for s in range(N)}
+
+
+class FlakyRemote:
+    """The remote client's contract (`submit(request) -> Future of the score`): a row scores len(response) +
+    10 * sample; the rows in FAILING fail as a row does after its retries."""
+
+    FAILING = {("u1", 2), ("u3", 0)}  # generation rows 5 and 9
+
+    def __init__(self):
+        self.requests: list[dict] = []
+
+    def submit(self, row: dict) -> concurrent.futures.Future:
+        self.requests.append(row)
+        future = concurrent.futures.Future()
+        if (row["uid"], row["sample"]) in self.FAILING:
+            future.set_exception(RemoteRewardError([(row["uid"], row["sample"], "HTTP 500 after 4 attempts")]))
+        else:
+            future.set_result(float(len(row["response"]) + 10 * row["sample"]))
+        return future
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_dropped_remote_row_leaves_its_group(tokenizer):
+    remote = FlakyRemote()
+    loop = _loop(tokenizer, ModelSide(remote=remote, remote_on_failure="drop"), combine="sum")
+    batch, gen, _ = _step_rows(tokenizer)
+    run = loop.begin(batch, gen)
+    responses = _generate(run, tokenizer, pause_s=0.0)
+    order = np.random.default_rng(1).permutation(PROMPTS * N)  # as if balanced
+    mask = (responses != tokenizer.pad_token_id).float()[order]
+    uids = batch["uid"][order]
+    out, metrics = run.finish(Batch.from_dict({"responses": responses[order], "response_mask": mask.clone(),
+                                               "uid": uids}), rows=order)
+    loop.close()
+
+    gone = np.isin(order, [5, 9])
+    assert metrics["reward/remote_failed"] == 2 and out["dropped"].tolist() == gone.tolist()
+    # A dropped row keeps its place (every shard keeps its size) but has no response token, no score and a uid
+    # of its own; the others are scored as usual: 2 * rule + 0.5 * remote.
+    assert (out["response_mask"][gone] == 0).all() and (out["token_level_scores"][gone] == 0).all()
+    assert len(set(out["uid"][gone]) | set(uids)) == len(set(uids)) + 2
+    for i, row in enumerate(order[~gone]):
+        prompt, sample = divmod(int(row), N)
+        text = RESPONSES[prompt][sample]
+        rule = float(text == f"#### {ANSWERS[prompt].split()[-1]}")
+        expected = 2.0 * rule + 0.5 * (len(text) + 10 * sample)
+        assert out["token_level_scores"][~gone][i].sum().item() == pytest.approx(expected)
+    # GRPO with the dropped rows in place equals GRPO on the batch without them: they left their groups.
+    kept = torch.as_tensor(~gone)
+    advantages, _ = grpo(out["token_level_scores"], out["response_mask"], out["uid"])
+    without, _ = grpo(out["token_level_scores"][kept], mask[kept], uids[~gone])
+    torch.testing.assert_close(advantages[kept], without)
+    assert (advantages[~kept] == 0).all()
+    # And the step's metrics count them in no statistic.
+    data = dict(token_level_scores=out["token_level_scores"], token_level_rewards=out["token_level_scores"],
+                advantages=advantages, returns=advantages, max_response_length=WIDTH, max_prompt_length=8)
+    with_placeholders = compute_data_metrics(**data, response_mask=out["response_mask"],
+                                             prompt_mask=torch.ones(len(order), 8), kept=kept)
+    reference = compute_data_metrics(**{key: value[kept] if isinstance(value, torch.Tensor) else value
+                                        for key, value in data.items()},
+                                     response_mask=mask[kept], prompt_mask=torch.ones(int(kept.sum()), 8))
+    assert with_placeholders == pytest.approx(reference, nan_ok=True)
+
+
+def test_the_remote_is_called_only_when_combine_uses_it(tokenizer, tmp_path):
+    remote = "reward.remote={url: 'http://127.0.0.1:9/score', on_failure: drop}"
+    for combine, called in (("rule", False), ("rm", True), ("sum", True)):
+        recipe = load_recipe(RECIPE, [remote, f"reward.combine={combine}"])
+        with ExitStack() as cleanup:
+            loop = start_reward_loop(recipe, pools={}, tokenizer=tokenizer, manager=None, api_key="",
+                                     run_dir=tmp_path, cleanup=cleanup)
+            assert (loop.model_side.remote is not None) is called, combine
+            assert loop.model_side.remote_on_failure == ("drop" if called else "fail")

@@ -56,7 +56,7 @@ def scorer_module(tmp_path, monkeypatch):
 def make_batch(tokenizer, samples, *, width=24):
     """samples: (response text, data_source, ground_truth, extra_info); responses end with <|im_end|>."""
     token_lists = [tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id] for text, *_ in samples]
-    token_lists[-1] = []  # the last sample is an empty response: no token to carry its score
+    token_lists[-1] = []  # the last sample is an empty response: its score sits outside its (empty) mask
     responses, lengths = right_pad(token_lists, tokenizer.pad_token_id, width)
     mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     return Batch.from_dict(
@@ -88,8 +88,7 @@ def test_score_sits_on_the_last_valid_token(tokenizer):
     assert scores.dtype == torch.float32 and scores.shape == batch["responses"].shape
     for row, (length, expected) in enumerate(zip(lengths.tolist(), expected_scores)):
         reference = torch.zeros(scores.shape[1])
-        if length:
-            reference[length - 1] = expected
+        reference[max(length - 1, 0)] = expected  # an empty response keeps its score at index 0
         torch.testing.assert_close(scores[row], reference, rtol=0, atol=0)
     assert scores.sum(-1).tolist() == expected_scores
     assert output.extra["score"].tolist() == expected_scores
@@ -99,11 +98,26 @@ def test_score_sits_on_the_last_valid_token(tokenizer):
 
 def test_special_tokens_are_skipped_when_decoding(tokenizer, scorer_module):
     # The eos token inside the valid length must not reach the scorer: "#### 7" + <|im_end|> == "#### 7".
-    # The second (empty) response is not scored: 0, not tagged_scorer's 0.25.
+    # The second (empty) response is scored as "" like any other: tagged_scorer's 0.25, which the row's sum returns.
     scorers = build_scorers({"exact": f"{scorer_module}:tagged_scorer"})
     batch, _ = make_batch(tokenizer, [("#### 7", "exact", "#### 7", {}), ("x", "exact", "y", {})])
     output = RewardManager(tokenizer, scorers)(batch)
-    assert output.extra["score"].tolist() == [0.5, 0.0]
+    assert output.extra["score"].tolist() == [0.5, 0.25]
+    assert output.token_level_scores.sum(-1).tolist() == [0.5, 0.25]
+
+
+def test_an_empty_response_gets_its_scorers_penalty(tokenizer, scorer_module):
+    # A format penalty for saying nothing (negative) reaches the outcome reward and GRPO's group baseline.
+    scorers = build_scorers({"custom": f"{scorer_module}:length_scorer"})
+    batch, lengths = make_batch(tokenizer, [("abcd", "custom", "", {}), ("", "custom", "", {})])
+    assert lengths.tolist()[-1] == 0
+    penalised = RewardManager(tokenizer, {**scorers, "custom": lambda text, truth, info: -1.0 if not text else 1.0})
+    output = penalised(batch)
+    assert output.token_level_scores.sum(-1).tolist() == [1.0, -1.0]
+    from megarl.algorithms.advantages import grpo
+
+    advantages, _ = grpo(output.token_level_scores, batch["response_mask"], np.array(["u", "u"]))
+    assert advantages[0, 0] > 0  # the answer beats the empty response of its group
 
 
 def test_failing_scorers_give_zero_and_are_counted(tokenizer, scorer_module):
@@ -123,8 +137,8 @@ def test_failing_scorers_give_zero_and_are_counted(tokenizer, scorer_module):
     assert output.num_failed == 3 and reward_metrics(output) == {"reward/scorer_failed": 3}
     torch.testing.assert_close(output.token_level_scores.sum(-1), torch.tensor([1.0, 0, 0, 0, 0.5, 0]))
     # Extra fields of dict-returning scorers are collected; samples without them get NaN.
-    assert output.extra["chars"][0] == 10
-    assert np.isnan(output.extra["chars"][1:]).all()  # the empty response is not scored at all
+    assert output.extra["chars"][0] == 10 and output.extra["chars"][5] == 0  # the empty response is scored
+    assert np.isnan(output.extra["chars"][1:5]).all()
 
 
 def test_unknown_data_source_is_reported_before_scoring(tokenizer):
@@ -209,5 +223,5 @@ def test_a_pool_that_cannot_start_falls_back_to_in_process(tokenizer, caplog):
     batch, _ = make_batch(tokenizer, [("7", "lambda", "7", {}), ("8", "lambda", "7", {}), ("", "lambda", "", {})])
     with RewardManager(tokenizer, scorers, num_workers=2, parallel_min_batch=1) as manager:
         output = manager(batch)
-    assert output.extra["score"].tolist() == [1.0, 0.0, 0.0] and output.num_failed == 0
+    assert output.extra["score"].tolist() == [1.0, 0.0, 1.0] and output.num_failed == 0  # "" == "" too
     assert "reward worker pool failed" in caplog.text

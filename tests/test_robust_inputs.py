@@ -184,6 +184,8 @@ def test_a_huge_recipe_file_is_refused(tmp_path):
 
 BASE_RECIPE = yaml.safe_load(QUICKSTART.read_text())
 BASE_RECIPE["base"] = str(QUICKSTART.parent / BASE_RECIPE["base"])
+# check_inputs builds the data sets as a run would: a small generated one keeps each example quick.
+BASE_RECIPE["data"]["synthetic"] = {"task": "addition", "num_train": 300, "num_val": 20, "seed": 0}
 
 
 def _paths(tree, prefix=()):

@@ -7,15 +7,17 @@ import threading
 
 import pytest
 from _http import call as http_call
+from _settings import sampling
 import torch
 from aiohttp import web
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from megarl.rollout import GenerationResult, RolloutClient, RolloutError, results_to_tensors, start_cpu_engine
-from megarl.rollout.client import SEED_STRIDE
+from megarl.rollout.sampling import SEED_STRIDE
 from megarl.ports import free_port
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17, 18]]
+NUCLEUS = sampling(8, temperature=0.9, top_p=0.95, ignore_eos=True)
 
 
 def tiny_model(seed: int) -> LlamaForCausalLM:
@@ -59,7 +61,7 @@ def direct_generate(url: str, body: dict) -> dict:
 @pytest.mark.dist
 def test_n_samples_are_prompt_major_with_derived_seeds(client, servers):
     seed, n = 5, 3
-    results = client.generate(PROMPTS, max_new_tokens=6, temperature=1.0, n=n, seed=seed, ignore_eos=True)
+    results = client.generate(PROMPTS, sampling(6, ignore_eos=True), n=n, seed=seed)
     assert len(results) == len(PROMPTS) * n
     for prompt_index, prompt in enumerate(PROMPTS):
         for sample in range(n):
@@ -81,19 +83,17 @@ def test_fixed_seed_is_deterministic_whatever_the_concurrency(servers):
     runs = []
     for urls_used, concurrency in [(urls, 4), (urls, 1), (urls[::-1], 256), (urls[:1], 2)]:
         with RolloutClient(urls_used, max_concurrency=concurrency) as rollout_client:
-            runs.append(rollout_client.generate(PROMPTS * 3, max_new_tokens=8, temperature=0.9, top_p=0.95, n=2,
-                                                seed=17, ignore_eos=True))
+            runs.append(rollout_client.generate(PROMPTS * 3, NUCLEUS, n=2, seed=17))
     assert all([r.output_ids for r in run] == [r.output_ids for r in runs[0]] for run in runs[1:])
     with RolloutClient(urls) as rollout_client:
-        other_seed = rollout_client.generate(PROMPTS * 3, max_new_tokens=8, temperature=0.9, top_p=0.95, n=2, seed=18,
-                                             ignore_eos=True)
+        other_seed = rollout_client.generate(PROMPTS * 3, NUCLEUS, n=2, seed=18)
     assert [r.output_ids for r in other_seed] != [r.output_ids for r in runs[0]]
 
 
 @pytest.mark.dist
 def test_greedy_results_match_a_plain_argmax_loop(client, model_dirs):
     reference = AutoModelForCausalLM.from_pretrained(str(model_dirs["base"])).eval()
-    results = client.generate(PROMPTS, max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    results = client.generate(PROMPTS, sampling(5, temperature=0.0, ignore_eos=True))
     for prompt, result in zip(PROMPTS, results):
         ids = list(prompt)
         with torch.no_grad():
@@ -105,7 +105,7 @@ def test_greedy_results_match_a_plain_argmax_loop(client, model_dirs):
 @pytest.mark.dist
 def test_errors_name_the_server_and_endpoint(client, servers):
     with pytest.raises(RolloutError) as error:
-        client.generate([[1, 2], [1, 100000]], max_new_tokens=2)
+        client.generate([[1, 2], [1, 100000]], sampling(2))
     assert error.value.endpoint == "/generate" and error.value.status == 400
     assert error.value.url in {server.url for server in servers}
     assert error.value.url in str(error.value) and "input_ids" in str(error.value)
@@ -118,7 +118,7 @@ def test_errors_name_the_server_and_endpoint(client, servers):
     with RolloutClient([dead_url], timeout_s=5) as dead:
         assert dead.health() == [False]
         with pytest.raises(RolloutError) as error:
-            dead.generate([[1]], max_new_tokens=1)
+            dead.generate([[1]], sampling(1))
     assert error.value.url == dead_url and error.value.status is None and "/generate" in str(error.value)
 
 
@@ -130,7 +130,7 @@ def test_weight_update_round_trip_through_the_client(client, model_dirs):
         client.begin_weight_update()
         client.update_weights_from_tensor(named, weight_version="step-1", load_format="flattened_bucket")
         client.end_weight_update()
-        results = client.generate(PROMPTS, max_new_tokens=4, temperature=0.8, seed=3, ignore_eos=True)
+        results = client.generate(PROMPTS, sampling(4, temperature=0.8, ignore_eos=True), seed=3)
         for prompt, result in zip(PROMPTS, results):
             with torch.no_grad():
                 logits = other(torch.tensor([prompt + result.output_ids])).logits[0]
@@ -198,7 +198,7 @@ def test_concurrency_is_bounded_per_server_and_load_is_spread():
     with CountingServer(0.03) as first, CountingServer(0.03) as second:
         with RolloutClient([first.url, second.url], max_concurrency=3) as rollout_client:
             prompts = [[1] * (i + 1) for i in range(24)]
-            results = rollout_client.generate(prompts, max_new_tokens=1, n=2)
+            results = rollout_client.generate(prompts, sampling(1), n=2)
     assert (first.max_in_flight, second.max_in_flight) == (3, 3)
     assert (first.requests, second.requests) == (12, 12)
     assert [r.output_ids for r in results] == [[len(p)] for p in prompts for _ in range(2)]

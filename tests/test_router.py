@@ -12,14 +12,15 @@ import signal
 
 import pytest
 from _http import call as http_call
+from _settings import sampling
 from _tiny import greedy_continuation
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from megarl.protocol import Batch
 from megarl.rollout import RolloutFleet, ServerSpec
-from megarl.rollout.dispatch import sample_seed
 from megarl.rollout.router import router_argv
+from megarl.rollout.sampling import sample_seed
 
 API_KEY = "router-test-key"
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
@@ -60,7 +61,7 @@ def models(tmp_path_factory):
 def fleet(models, tmp_path_factory):
     spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path_factory.mktemp("logs")),
                       api_key=API_KEY)
-    with RolloutFleet(spec, num_servers=2, max_response_length=MAX_RESPONSE, pad_token_id=0, seed=2,
+    with RolloutFleet(spec, num_servers=2, pad_token_id=0, seed=2,
                       max_concurrency=2, routing="router", router_policy="round_robin", use_ray=False) as started:
         yield started
 
@@ -91,7 +92,7 @@ def test_fleet_generation_through_the_router_survives_a_dead_server(fleet):
     assert sorted(router.worker_urls()) == sorted(fleet.urls)
     assert call(router.url, "/generate", {"input_ids": [1]}, key=None)[0] == 401
     gen_batch = generation_batch(N)
-    out = fleet.generate(gen_batch, temperature=1.0, seed=4)
+    out = fleet.generate(gen_batch, sampling(MAX_RESPONSE), seed=4)
     assert list(out["uid"]) == list(gen_batch["uid"])
     assert collections.Counter(out["uid"]) == {f"p{row}": N for row in range(len(PROMPTS))}
     for row in range(len(gen_batch)):
@@ -105,7 +106,7 @@ def test_fleet_generation_through_the_router_survives_a_dead_server(fleet):
 
     victim = fleet.status()[0]
     os.kill(victim["pid"], signal.SIGKILL)
-    again = fleet.generate(gen_batch, temperature=1.0, seed=4)
+    again = fleet.generate(gen_batch, sampling(MAX_RESPONSE), seed=4)
     assert torch.equal(again["responses"], out["responses"]) and list(again["uid"]) == list(gen_batch["uid"])
     assert fleet.wait_for_restarts(120)
     restarted = fleet.status()[0]

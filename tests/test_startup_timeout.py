@@ -8,14 +8,14 @@ fast. The recipe's value reaches the policy's fleet and the judge's fleet alike.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from megarl.cli import main
+from megarl.cluster import fleet as cluster_fleet
 from megarl.config import load_recipe
 from megarl.config.reward import JudgeConfig
-from megarl.cluster import fleet as controller_fleet
+from megarl.config.settings import judge_fleet_settings, rollout_fleet_settings
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -44,15 +44,14 @@ class _Pool:
 @pytest.mark.parametrize("start", ["rollout", "judge"])
 def test_the_recipes_timeout_reaches_the_fleet(monkeypatch, start):
     built = []
-    monkeypatch.setattr(controller_fleet, "RolloutFleet", lambda spec, **options: built.append(options))
+    monkeypatch.setattr(cluster_fleet, "RolloutFleet", lambda spec, **options: built.append(options))
     recipe = load_recipe(RECIPES / "quickstart-grpo-cpu.yaml", ["rollout.startup_timeout_s=321"])
-    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
     if start == "rollout":
-        controller_fleet.start_rollout_fleet(recipe, pool=_Pool(), weights=Path("w"), tokenizer=tokenizer,
-                                             api_key="k", log_dir=Path("logs"))
+        cluster_fleet.start_fleet(rollout_fleet_settings(recipe), pool=_Pool(), weights=Path("w"),
+                                     pad_token_id=0, api_key="k", log_dir=Path("logs"))
     else:
         judge = JudgeConfig(model_path="judge", prompt_template="{prompt} {response}")
         recipe = recipe.model_copy(update={"reward": recipe.reward.model_copy(update={"judge": judge})})
-        controller_fleet.start_judge_fleet(recipe, pool=_Pool(), tokenizer=tokenizer, api_key="k",
-                                           log_dir=Path("logs"))
+        cluster_fleet.start_fleet(judge_fleet_settings(recipe), pool=_Pool(), weights=None, pad_token_id=0,
+                                     api_key="k", log_dir=Path("logs"))
     assert [options["startup_timeout_s"] for options in built] == [321]

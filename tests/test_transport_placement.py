@@ -1,7 +1,9 @@
-"""`megarl validate` refuses placements that cannot work on GPUs, each with one line naming the keys.
+"""`megarl validate` refuses placements that cannot work on GPUs, each with one line naming the keys; a
+transport is one registry entry, bound for `megarl bench` included.
 
 The transport rules come from the weight-sync transport registry's metadata
-(`needs_colocation` / `refuses_colocation`), not from names written into the checks.
+(`needs_colocation` / `refuses_colocation`), not from names written into the checks,
+and `megarl bench` sets a sync against the `bound` the entry carries.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def test_a_server_whose_tp_ranks_would_straddle_two_nodes_is_refused(capsys):
 def test_the_rules_come_from_the_registry_metadata(capsys):
     """Mark `disk` as refusing colocation in the registry alone: validate now refuses it, and the other
     transports' messages list it no more."""
+    disk = WEIGHT_SYNC_TRANSPORTS.get("disk")
     WEIGHT_SYNC_TRANSPORTS.remove("disk")
-    WEIGHT_SYNC_TRANSPORTS.add("disk", DiskTransport, refuses_colocation="a test says so")
+    WEIGHT_SYNC_TRANSPORTS.add("disk", DiskTransport, bound=disk.bound, refuses_colocation="a test says so")
     try:
         assert errors(capsys, "weight_sync.transport=disk") == [
             "error: --set: weight_sync.transport: a test says so; use 'tensor' with colocate: true (got 'disk')"]
@@ -78,7 +81,7 @@ def test_the_rules_come_from_the_registry_metadata(capsys):
             "use 'tensor' with colocate: true (got 'distributed')")
     finally:
         WEIGHT_SYNC_TRANSPORTS.remove("disk")
-        WEIGHT_SYNC_TRANSPORTS.add("disk", DiskTransport)
+        WEIGHT_SYNC_TRANSPORTS.add("disk", disk.target, **disk.meta)
 
 
 def test_make_transport_is_a_registry_lookup(tmp_path):
@@ -86,3 +89,38 @@ def test_make_transport_is_a_registry_lookup(tmp_path):
     with pytest.raises(ValueError, match=r"unknown weight-sync transport 'carrier-pigeon'; known: disk, distributed, "
                                          r"tensor"):
         make_transport("carrier-pigeon", None, timeout_s=1)
+
+
+def test_a_transport_is_one_registry_entry_with_its_bound(tmp_path):
+    from megarl.bench.run import _bound
+    from megarl.bench.step_report import Peak, _notes
+    from megarl.config import load_recipe
+    from megarl.weightsync.bounds import SyncBound
+
+    with pytest.raises(ValueError, match=r"weight-sync transport 'pigeon' needs the metadata \['bound'\]"):
+        WEIGHT_SYNC_TRANSPORTS.add("pigeon", DiskTransport)
+    seen = {}
+
+    def pigeon_seconds(nbytes, *, bucket_bytes, scratch_dir, device):
+        seen.update(nbytes=nbytes, bucket_bytes=bucket_bytes, scratch_dir=scratch_dir, device=device)
+        return 0.25
+
+    WEIGHT_SYNC_TRANSPORTS.add("pigeon", DiskTransport, bound=SyncBound("a pigeon's flight", pigeon_seconds))
+    try:
+        recipe = load_recipe(REPO / "recipes" / "quickstart-grpo-cpu.yaml", ["weight_sync.transport=pigeon"])
+        records = [{"weight_sync/bytes": 3 << 20}, {"weight_sync/bytes": 5 << 20}, {}]
+        bound = _bound(recipe, records, tmp_path)
+        assert (bound.name, bound.seconds) == ("a pigeon's flight", 0.25)
+        assert seen == {"nbytes": 4 << 20, "bucket_bytes": int(recipe.weight_sync.bucket_mb * (1 << 20)),
+                        "scratch_dir": tmp_path / "weight_sync", "device": "cpu"}
+        assert any("a pigeon's flight of the synced bytes" in note for note in _notes(recipe, 1, Peak(1.0, "a test")))
+    finally:
+        WEIGHT_SYNC_TRANSPORTS.remove("pigeon")
+
+
+@pytest.mark.parametrize("name,bound_name", [("tensor", "memcpy (1 thread)"), ("disk", "disk write + read")])
+def test_the_builtin_bounds_measure(tmp_path, name, bound_name):
+    bound = WEIGHT_SYNC_TRANSPORTS.get(name).bound
+    seconds = bound.seconds(1 << 20, bucket_bytes=1 << 18, scratch_dir=tmp_path, device="cpu")
+    assert bound.name == bound_name and 0 < seconds < 1
+    assert WEIGHT_SYNC_TRANSPORTS.get("distributed").bound.name == "broadcast (2 processes)"

@@ -21,12 +21,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from _engine_spawn import run_spawned
+from _settings import sampling
 from _weightsync_ranks import (
     API_KEY,
     ARCH,
     BUCKET_BYTES,
     CONFIG,
     PP_TRANSPORTS,
+    SYNC_BUCKET_BYTES,
     local_shards,
     megatron_moe_ep_push,
     megatron_worker_pushes,
@@ -95,7 +97,7 @@ def test_transport_loads_the_trainer_weights_exactly(client, name, tmp_path):
     assert client.model_info()[0]["weight_version"] == f"{name}-1"
     reference = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
     reference.load_state_dict(hf)
-    results = client.generate(PROMPTS, max_new_tokens=4, temperature=0.0, return_logprob=True, ignore_eos=True)
+    results = client.generate(PROMPTS, sampling(4, temperature=0.0, ignore_eos=True), return_logprob=True)
     for prompt, result in zip(PROMPTS, results):
         with torch.no_grad():
             logits = reference(torch.tensor([prompt + result.output_ids])).logits[0]
@@ -277,8 +279,8 @@ def test_distributed_groups_are_rebuilt_after_a_server_restarts_at_the_same_url(
             hf = trainer_weights(seed)
             local = local_shards(hf, TrainerLayout(), padded_vocab=plan.padded_vocab)
             shards = WeightShards(local, num_chunks=1, arch=ARCH, padded_vocab=plan.padded_vocab)
-            settings = WeightSyncSettings(transport="distributed", bucket_mb=0.05, verify="checksum", timeout_s=30,
-                                          disk_dir=str(tmp_path / "unused"))
+            settings = WeightSyncSettings(transport="distributed", bucket_bytes=SYNC_BUCKET_BYTES, verify="checksum",
+                                          timeout_s=30, disk_dir=str(tmp_path / "unused"), lora="merged")
             metrics = sync.push(shards, coords=RankCoords(), urls=[handle.url], api_key=API_KEY, version=seed,
                                 settings=settings)
             assert metrics["weight_sync/bytes"] == plan.nbytes

@@ -4,8 +4,9 @@ Tensors in, tensors out, explicit keyword arguments (never a config object),
 shapes in every docstring (`[B, R]` = batch x response length). Names from
 recipes resolve through the registries of `megarl.registry`
 (`ADVANTAGE_ESTIMATORS`, `POLICY_LOSSES`, `KL_PENALTIES`, `LOSS_AGG_MODES`),
-which the modules here fill (the policy losses in `policy_losses/`, one file each). Importing this package loads torch and numpy only (no megatron,
-sglang or ray), so it runs on the controller and in CPU tests.
+which the modules here fill (the policy losses in `policy_losses/`, one file
+each). Importing this package loads torch and numpy only (no megatron, sglang
+or ray), so it runs on the controller and in CPU tests.
 """
 
 from megarl.algorithms.advantages import (

@@ -77,6 +77,7 @@ def compute_data_metrics(
     max_response_length: int,
     max_prompt_length: int,
     values: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The `critic/*`, `response_length/*` and `prompt_length/*` metrics of one step.
 
@@ -85,8 +86,15 @@ def compute_data_metrics(
     returns and values are over response tokens. `critic/values/*` and
     `critic/vf_explained_var` only when `values` is given. Each clip_ratio is
     the share of rows reaching the configured limit (`max_response_length`,
-    `max_prompt_length`), not the batch's widest row.
+    `max_prompt_length`), not the batch's widest row. `kept` (bool [B]): the
+    rows to count; a dropped sample stays in the batch as a placeholder without
+    response tokens, and is no sample of the step's statistics.
     """
+    if kept is not None:
+        token_level_scores, token_level_rewards, advantages, returns = (
+            t[kept] for t in (token_level_scores, token_level_rewards, advantages, returns))
+        response_mask, prompt_mask = response_mask[kept], prompt_mask[kept]
+        values = None if values is None else values[kept]
     valid = response_mask.bool()
     metrics: dict[str, float] = {}
     metrics |= _mean_max_min("critic/score", token_level_scores.sum(-1))

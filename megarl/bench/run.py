@@ -25,14 +25,15 @@ from typing import TextIO
 
 import torch
 
-from megarl.bench.bounds import broadcast_seconds, disk_seconds, matmul_peak_tflops, memcpy_seconds
+from megarl.bench.bounds import matmul_peak_tflops
 from megarl.bench.progress import BenchProgress
 from megarl.bench.report import Report
-from megarl.bench.step_report import BOUND_NAMES, Bound, Peak, build_report
+from megarl.bench.step_report import Bound, Peak, build_report
 from megarl.cluster.placement import plan_pools, total_devices
 from megarl.config import Recipe, load_recipe
 from megarl.controller.run import train
 from megarl.errors import InputError
+from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 
 
 def bench_overrides(base: Recipe, *, steps: int, warmup: int, synthetic: bool,
@@ -57,22 +58,16 @@ def _peak(recipe: Recipe) -> float:
 
 
 def _bound(recipe: Recipe, records: list[dict], run_dir: Path) -> Bound | None:
-    """The transport's bound on the median bytes synced per step (None when no step synced)."""
+    """The bound of the recipe's transport (its registry entry's `bound`) on the median bytes synced per step
+    (None when no step synced)."""
     sizes = [r["weight_sync/bytes"] for r in records if "weight_sync/bytes" in r]
     if not sizes:
         return None
-    nbytes = int(statistics.median(sizes))
-    transport = recipe.weight_sync.transport
-    if transport == "tensor":
-        seconds = memcpy_seconds(nbytes)
-    elif transport == "distributed":
-        bucket = recipe.weight_sync.bucket_mb << 20
-        pieces = [bucket] * (nbytes // bucket) + ([nbytes % bucket] if nbytes % bucket else [])
-        multi_gpu = recipe.placement.device == "cuda" and torch.cuda.device_count() >= 2
-        seconds = broadcast_seconds(pieces, backend="nccl" if multi_gpu else "gloo")
-    else:
-        seconds = disk_seconds(nbytes, run_dir / "weight_sync")
-    return Bound(BOUND_NAMES[transport], seconds)
+    bound = WEIGHT_SYNC_TRANSPORTS.get(recipe.weight_sync.transport).bound
+    seconds = bound.seconds(int(statistics.median(sizes)), bucket_bytes=int(recipe.weight_sync.bucket_mb * (1 << 20)),
+                            scratch_dir=run_dir / "weight_sync",
+                            device="cuda" if recipe.placement.device == "cuda" else "cpu")
+    return Bound(bound.name, seconds)
 
 
 def _step_records(run_dir: Path) -> list[dict]:

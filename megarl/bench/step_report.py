@@ -19,6 +19,7 @@ from megarl.config import Recipe
 from megarl.config.layout import role_pool
 from megarl.config.schema import read_hf_config
 from megarl.models.spec import arch_from_hf
+from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 
 # The phases that partition a step; overlapped work (reward scoring during gen) is noted, not added.
 PHASES = tuple(phase for phase in TIMING_PHASES if phase not in ("step", *OVERLAPPED_TIMINGS))
@@ -29,7 +30,6 @@ CATEGORIES = {"generation": ("gen",), "training": tuple(TRAINING_PHASES), "weigh
               "memory sleep/wake": ("onload", "offload"), "reward and advantages": ("reward", "adv")}
 OUTSIDE = "outside the phases"
 OVERHEAD_BUDGET_PCT = {OUTSIDE: 5.0, "Batch operations": 1.0}
-BOUND_NAMES = {"tensor": "memcpy (1 thread)", "distributed": "broadcast (2 processes)", "disk": "disk write + read"}
 MEMORY_PREFIX = "perf/max_memory_gb/"
 
 
@@ -268,7 +268,8 @@ def _notes(recipe: Recipe, devices: int, peak: Peak) -> list[str]:
         "divides by that phase's time and its role's devices instead (trained: x ppo_epochs over update_actor).",
         f"MFU = model FLOPs / (phase seconds x devices x peak); {FORMULA}; peak {peak.tflops:.4g} TFLOP/s per "
         f"device ({peak.source}).",
-        f"weight-sync bound for the {transport!r} transport: {BOUND_NAMES[transport]} of the synced bytes, measured "
+        f"weight-sync bound for the {transport!r} transport: {WEIGHT_SYNC_TRANSPORTS.get(transport).bound.name} of "
+        "the synced bytes (the bound its registry entry carries), measured "
         "after the steps in the same run; the rate is bytes / median seconds.",
         f"controller overhead: '{OUTSIDE}' = timing_s/step minus the sum of the phases above (budget "
         f"{OVERHEAD_BUDGET_PCT[OUTSIDE]:g}% of the step); 'Batch operations' = the controller's time in Batch methods "

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from megarl.cluster.worker_group import WorkerGroup
-from megarl.config.settings import Batching, OptimizerSettings, WeightSyncSettings
+from megarl.config.settings import Batching, EngineSettings, WeightSyncSettings
 from megarl.net import node_address
 from megarl.ports import free_port
 from megarl.processes import shield_ray_actor
@@ -55,25 +55,25 @@ class MegatronWorker:
         host = "127.0.0.1" if self.world_size == 1 else node_address()
         return host, free_port("" if self.world_size > 1 else "127.0.0.1")
 
-    def init_engine(self, *, kind: str, master_addr: str, master_port: int, parallel: dict, hf_config: dict,
-                    weights: str | None, seed: int, params_dtype: str, transformer_impl: str,
-                    optimizer: OptimizerSettings | None) -> None:
-        """Join the engine's process group and build its `kind` engine ("policy": actor or, without an
-        optimizer, the frozen reference; "value": the critic; "reward": the reward model)."""
+    def init_engine(self, settings: EngineSettings, *, master_addr: str, master_port: int, hf_config: dict,
+                    weights: str | None) -> None:
+        """Join the engine's process group and build its engine of `settings.kind` ("policy": actor or, without
+        an optimizer, the frozen reference; "value": the critic; "reward": the reward model)."""
         from megarl.engines.distributed import init_distributed
 
-        if kind not in ENGINE_KINDS:
-            raise ValueError(f"engine kind {kind!r} is not one of {ENGINE_KINDS}")
+        if settings.kind not in ENGINE_KINDS:
+            raise ValueError(f"engine kind {settings.kind!r} is not one of {ENGINE_KINDS}")
+        parallel = settings.parallel
         init_distributed(rank=self.rank, world_size=self.world_size, master_addr=master_addr,
                          master_port=master_port, tp=parallel["tp"], pp=parallel["pp"], vpp=parallel.get("vpp"),
                          ep=parallel.get("ep", 1))
-        common = dict(hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype,
-                      transformer_impl=transformer_impl, optimizer=optimizer)
-        if kind == "policy":
+        common = dict(hf_config=hf_config, weights=weights, seed=settings.seed, params_dtype=settings.params_dtype,
+                      transformer_impl=settings.transformer_impl, optimizer=settings.optimizer)
+        if settings.kind == "policy":
             from megarl.engines.actor import PolicyEngine
 
             self.engine = PolicyEngine(**common)
-        elif kind == "value":
+        elif settings.kind == "value":
             from megarl.engines.critic import ValueEngine
 
             self.engine = ValueEngine(**common)
@@ -167,14 +167,12 @@ class MegatronWorker:
             self._weight_sync = None
 
 
-def start_engine_group(pool, *, name: str, kind: str, parallel: dict, hf_config: dict, weights: str | None, seed: int,
-                       params_dtype: str, transformer_impl: str, optimizer: OptimizerSettings | None,
+def start_engine_group(pool, *, name: str, settings: EngineSettings, hf_config: dict, weights: str | None,
                        log_dir: Path | None) -> WorkerGroup:
-    """`pool.world_size` ranks hosting one engine of `kind` (see `MegatronWorker.init_engine`); each rank's
+    """`pool.world_size` ranks hosting one engine (see `MegatronWorker.init_engine`) of `settings`; each rank's
     output goes to `<log_dir>/<name>-<rank>.log`."""
     group = WorkerGroup(MegatronWorker, pool, name=name, log_dir=log_dir)
-    master_addr, master_port = group.run_rank(0, "master_endpoint")
-    group.run("init_engine", kind=kind, master_addr=master_addr, master_port=master_port, parallel=parallel,
-              hf_config=hf_config, weights=weights, seed=seed, params_dtype=params_dtype,
-              transformer_impl=transformer_impl, optimizer=optimizer)
+    master_addr, master_port = group.run_rank(0, MegatronWorker.master_endpoint)
+    group.run(MegatronWorker.init_engine, settings, master_addr=master_addr, master_port=master_port,
+              hf_config=hf_config, weights=weights)
     return group

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from megarl.cluster.engine_worker import MegatronWorker
 from megarl.cluster.worker_group import WorkerGroup
 
 GENERATION_MEMORY = ["kv_cache", "cuda_graph"]
@@ -39,7 +40,7 @@ class MemoryCycle:
         """Every engine off the device (after set-up, before the first generation)."""
         if self.enabled:
             for group in self._groups():
-                group.run("offload", weights=True)
+                group.run(MegatronWorker.offload, weights=True)
 
     def wake_trainers(self, *, actor_updates: bool) -> None:
         """After generation: the fleet gives its memory back, the engines come back onto the device."""
@@ -48,15 +49,15 @@ class MemoryCycle:
         self._fleet_weights_released = actor_updates
         self.fleet.release_memory(GENERATION_MEMORY + (["weights"] if actor_updates else []))
         for group in self._groups():
-            group.run("onload")
+            group.run(MegatronWorker.onload)
 
     def before_sync(self) -> None:
         """After the updates: idle engines off the device, the actor keeps only its weights, the fleet its weights."""
         if not self.enabled:
             return
         for group in self.idle_groups:
-            group.run("offload", weights=True)
-        self.actor.run("offload", weights=False)
+            group.run(MegatronWorker.offload, weights=True)
+        self.actor.run(MegatronWorker.offload, weights=False)
         if self._fleet_weights_released:
             self.fleet.resume_memory(["weights"])
 
@@ -64,7 +65,7 @@ class MemoryCycle:
         """The actor's weights off the device too; the fleet ready to generate."""
         if not self.enabled:
             return
-        self.actor.run("offload", weights=True)
+        self.actor.run(MegatronWorker.offload, weights=True)
         self.fleet.resume_memory(GENERATION_MEMORY)
         self._fleet_weights_released = False
 
@@ -72,4 +73,4 @@ class MemoryCycle:
 def peak_memory_metrics(groups: dict[str, WorkerGroup]) -> dict[str, float]:
     """`perf/max_memory_gb/<role>`: the largest peak of any rank of each role (device memory on GPUs, the
     process's resident memory on CPU)."""
-    return {f"perf/max_memory_gb/{role}": max(group.run("peak_memory_gb")) for role, group in groups.items()}
+    return {f"perf/max_memory_gb/{role}": max(group.run(MegatronWorker.peak_memory_gb)) for role, group in groups.items()}

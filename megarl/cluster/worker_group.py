@@ -4,12 +4,18 @@ The controller calls one method per phase on a group. `dispatch_dp` splits a
 Batch into one shard per data-parallel rank (tensor/pipeline peers of a DP rank
 receive the same shard, put into the object store once), and gathers the
 results of the ranks that hold the output (TP rank 0 on the last PP stage).
+
+Calls name the method itself, `group.run(MegatronWorker.offload, weights=True)`,
+never a string: a misspelt method fails where Python resolves the attribute, and
+the arguments are bound to the method's signature here, before anything goes to
+Ray, so a wrong keyword fails in the driver with the method's name.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from megarl.cluster.placement import ResourcePool
 from megarl.protocol import Batch
@@ -25,6 +31,7 @@ class WorkerGroup:
 
         pool.reserve()
         self.name = name
+        self.worker_cls = worker_cls
         self.world_size = pool.world_size
         remote_cls = ray.remote(worker_cls)
         self.workers = []
@@ -38,35 +45,50 @@ class WorkerGroup:
             self.workers.append(remote_cls.options(**options).remote(rank=rank, world_size=self.world_size, **log))
         self._layout: list[dict] | None = None
 
-    def run(self, method: str, *args, **kwargs) -> list:
-        """Call `method` on every rank with the same arguments; results in rank order."""
+    def _method_name(self, method: Callable, args: tuple, kwargs: dict) -> str:
+        """The name of `method`, once it is known to be a method of the worker class that takes these arguments."""
+        name = getattr(method, "__name__", None)
+        if not isinstance(name, str) or getattr(self.worker_cls, name, None) is not method:
+            raise TypeError(f"worker group {self.name!r}: call a method of {self.worker_cls.__name__} by itself "
+                            f"(e.g. {self.worker_cls.__name__}.{name or 'method'}), got {method!r}")
+        try:
+            inspect.signature(method).bind(None, *args, **kwargs)  # None: the worker's `self`
+        except TypeError as error:
+            raise TypeError(f"{self.worker_cls.__name__}.{name}: {error}") from None
+        return name
+
+    def run(self, method: Callable, *args, **kwargs) -> list:
+        """Call `method` (a method of the worker class) on every rank with the same arguments; results in rank order."""
         import ray
 
-        return ray.get([getattr(worker, method).remote(*args, **kwargs) for worker in self.workers])
+        name = self._method_name(method, args, kwargs)
+        return ray.get([getattr(worker, name).remote(*args, **kwargs) for worker in self.workers])
 
-    def run_rank(self, rank: int, method: str, *args, **kwargs):
+    def run_rank(self, rank: int, method: Callable, *args, **kwargs):
         import ray
 
-        return ray.get(getattr(self.workers[rank], method).remote(*args, **kwargs))
+        name = self._method_name(method, args, kwargs)
+        return ray.get(getattr(self.workers[rank], name).remote(*args, **kwargs))
 
     def layout(self) -> list[dict]:
         """Per rank: `dp_rank`, `dp_size`, `is_output` (known after the engine is initialised)."""
         if self._layout is None:
-            self._layout = self.run("parallel_layout")
+            self._layout = self.run(self.worker_cls.parallel_layout)
         return self._layout
 
     @property
     def dp_size(self) -> int:
         return self.layout()[0]["dp_size"]
 
-    def dispatch_dp(self, method: str, batch: Batch, **kwargs) -> list:
+    def dispatch_dp(self, method: Callable, batch: Batch, **kwargs) -> list:
         """Run `method(shard, **kwargs)` with shard = this rank's DP chunk; return the output ranks' results in DP order."""
         import ray
 
+        name = self._method_name(method, (batch,), kwargs)
         layout = self.layout()
         shards = [ray.put(shard) for shard in batch.chunk(self.dp_size)]
         futures = [
-            getattr(worker, method).remote(shards[info["dp_rank"]], **kwargs)
+            getattr(worker, name).remote(shards[info["dp_rank"]], **kwargs)
             for worker, info in zip(self.workers, layout)
         ]
         results = ray.get(futures)

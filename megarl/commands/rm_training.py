@@ -8,12 +8,17 @@ reward model's pool, one Megatron engine group of kind "reward", then epochs of 
 mini-batches (one Bradley-Terry optimizer step each) with validation accuracy (the
 share of validation pairs scored chosen > rejected) every `val_every` steps and at
 the end. The result is an HF `*ForSequenceClassification` checkpoint (num_labels 1,
-the pad id, the tokenizer) written atomically to `reward_model.path`.
+the pad id, the tokenizer) written atomically to `reward_model.path`. The pad id is
+the reward model tokenizer's pad token, or its EOS when it has none (the log says
+so): the score is read at HF's pooling token for that pad id (the rightmost token
+that is not the pad id; with pad = EOS, the token before a trailing EOS), in
+training as in HF. Pairs may carry a `margin` (`megarl.data.preference`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +28,13 @@ import numpy as np
 import torch
 
 from megarl import atomic
-from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.placement import plan_pools
 from megarl.cluster.ray_cluster import ray_for_run
 from megarl.commands.warmup import warmed_up_checkpoint
 from megarl.config import Recipe
 from megarl.config.schema import read_hf_config
-from megarl.config.settings import (
-    preference_update_settings,
-    reward_model_optimizer_settings,
-    reward_scoring_batching,
-)
+from megarl.config.settings import engine_settings, preference_update_settings, reward_scoring_batching
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.preflight import check_reward_model_training, prepare_run_dir
 from megarl.controller.roles import RewardModelRole
@@ -45,6 +46,7 @@ from megarl.models.spec import arch_from_hf
 from megarl.protocol import Batch
 from megarl.tracking.tracker import Tracker
 
+logger = logging.getLogger(__name__)
 SIDES = ("chosen", "rejected")
 
 
@@ -63,22 +65,26 @@ def _trim_left_padding(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 @dataclass
 class Pairs:
-    """Tokenized pairs: `chosen` and `rejected` reward-model rows, pair i in row i of both."""
+    """Tokenized pairs: `chosen` and `rejected` reward-model rows and the `margin` [N] the chosen score should
+    exceed the rejected one by (0 where the pair file has none), pair i in row i of each."""
 
     chosen: dict[str, torch.Tensor]
     rejected: dict[str, torch.Tensor]
+    margin: torch.Tensor
 
     @classmethod
     def build(cls, rows: list[dict], inputs: RewardModelInputs) -> Pairs:
         messages = [row["prompt"] for row in rows]
-        return cls(*(inputs.from_text(messages=messages, responses=[row[side] for row in rows]) for side in SIDES))
+        chosen, rejected = (inputs.from_text(messages=messages, responses=[row[side] for row in rows])
+                            for side in SIDES)
+        return cls(chosen, rejected, torch.tensor([float(row.get("margin") or 0.0) for row in rows]))
 
     def __len__(self) -> int:
         return len(self.chosen["input_ids"])
 
     def batch(self, index: np.ndarray) -> Batch:
-        """The update rows of pairs `index`: chosen_* and rejected_* sequences."""
-        columns = {}
+        """The update rows of pairs `index`: chosen_* and rejected_* sequences and their margins."""
+        columns = {"margin": self.margin[index]}
         for side, rows in zip(SIDES, (self.chosen, self.rejected)):
             columns.update({f"{side}_{key}": value for key, value in
                             _trim_left_padding({k: v[index] for k, v in rows.items()}).items()})
@@ -108,7 +114,7 @@ def _write_reward_model(path: Path, group, config: dict, tokenizer: Any) -> None
     """The reward model of `group` as an HF checkpoint at `path`, all or nothing (the engine's rank 0 writes the
     weights in the config's dtype)."""
     with atomic.new_directory(path) as partial:
-        group.run("save_hf_weights", str(partial / "model.safetensors"), dtype=config["dtype"])
+        group.run(MegatronWorker.save_hf_weights, str(partial / "model.safetensors"), dtype=config["dtype"])
         (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         tokenizer.save_pretrained(partial)
 
@@ -134,6 +140,11 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
     rm_tokenizer = load_tokenizer(rm.tokenizer) if rm.tokenizer else policy_tokenizer
     inputs = RewardModelInputs(rm_tokenizer, policy_tokenizer,
                                max_length=arch_from_hf(hf_config).max_position_embeddings)
+    if inputs.pad_id == rm_tokenizer.eos_token_id:
+        logger.warning("train-rm: the reward model's tokenizer has no pad token, so its checkpoint's pad_token_id is "
+                       "EOS (id %d), as TRL's RewardTrainer does: HF's *ForSequenceClassification then reads a row "
+                       "ending in EOS at the token before it, and train-rm trains with that same token",
+                       inputs.pad_id)
     train_files, val_files = _pair_files(recipe, log_dir / "data")
     train_pairs, val_pairs = Pairs.build(read_pairs(train_files), inputs), Pairs.build(read_pairs(val_files), inputs)
     steps_per_epoch = len(train_pairs) // train.mini_batch_size
@@ -141,13 +152,13 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
         raise InputError(f"reward_model.train.mini_batch_size: larger than the {len(train_pairs)} training pairs "
                          f"(got {train.mini_batch_size})")
     total_steps = train.epochs * steps_per_epoch
-    dtype = rm.dtype or recipe.model.dtype
+    engine = engine_settings(recipe, "reward_model", train_pairs=len(train_pairs))
 
     with ExitStack() as cleanup:
         ray_for_run(cleanup, ray_address)
-        logging = recipe.trainer.logging
-        tracker = Tracker(log_dir, total_steps=total_steps, jsonl=logging.jsonl, tensorboard=logging.tensorboard,
-                          console=logging.console)
+        sinks = recipe.trainer.logging
+        tracker = Tracker(log_dir, total_steps=total_steps, jsonl=sinks.jsonl, tensorboard=sinks.tensorboard,
+                          console=sinks.console)
         cleanup.callback(tracker.close)
         pool = plan_pools(recipe)["reward_model"]
         cleanup.callback(pool.release)
@@ -156,17 +167,16 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
             # The policy's warm-up code on the RL data's reference solutions, for a fixed number of steps.
             warmup = recipe.sft_warmup.model_copy(update={"steps": train.sft_steps, "stop_loss": None})
             warmed = warmed_up_checkpoint(recipe.model_copy(update={"sft_warmup": warmup}), pool=pool,
-                                          parallel=rm.parallel.model_dump(), weights=weights, hf_config=hf_config,
+                                          layout_of="reward_model", weights=weights, hf_config=hf_config,
                                           data=prepare_data(recipe, run_dir), tracker=tracker,
                                           out_dir=log_dir / "sft_backbone")
-        group = start_engine_group(pool, name="reward_model", kind="reward", parallel=rm.parallel.model_dump(),
-                                   hf_config=hf_config, weights=str(weights), seed=recipe.seed, params_dtype=dtype,
-                                   transformer_impl=recipe.model.transformer_impl,
-                                   optimizer=reward_model_optimizer_settings(recipe, train_pairs=len(train_pairs)),
+        # Trained with the pooling token the written checkpoint states (its pad id), so HF scores it alike.
+        group = start_engine_group(pool, name="reward_model", settings=engine,
+                                   hf_config={**hf_config, "pad_token_id": inputs.pad_id}, weights=str(weights),
                                    log_dir=None)
         cleanup.callback(group.kill)
         if warmed is not None:
-            group.run("load_policy_checkpoint", str(warmed))  # the backbone; the score head starts at zero
+            group.run(MegatronWorker.load_policy_checkpoint, str(warmed))  # the backbone; the score head starts at zero
         role = RewardModelRole(group, batching=reward_scoring_batching(recipe))
         settings = preference_update_settings(recipe)
         rng = np.random.default_rng(recipe.seed)
@@ -179,6 +189,6 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
                 if step == total_steps or (train.val_every and step % train.val_every == 0):
                     metrics.update(_validate(role, val_pairs))
                 tracker.log(step, metrics)
-        config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=dtype)
+        config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=engine.params_dtype)
         _write_reward_model(Path(rm.path).expanduser(), group, config, rm_tokenizer)
     return RewardModelResult(Path(rm.path).expanduser(), metrics["val/rm_accuracy"], step)

@@ -16,11 +16,11 @@ import shutil
 from contextlib import ExitStack
 from pathlib import Path
 
-from megarl.cluster.engine_worker import start_engine_group
+from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.placement import plan_pools
 from megarl.cluster.ray_cluster import ray_for_run
 from megarl.config import Recipe
-from megarl.config.settings import logprob_batching, optimizer_settings
+from megarl.config.settings import logprob_batching, warmup_engine_settings
 from megarl.controller.bootstrap import RunData, prepare_data, prepare_initial_weights
 from megarl.controller.preflight import prepare_run_dir
 from megarl.controller.roles import PolicyRole
@@ -29,18 +29,16 @@ from megarl.errors import InputError
 from megarl.tracking.tracker import Tracker
 
 
-def warmed_up_checkpoint(recipe: Recipe, *, pool, parallel: dict, weights: Path, hf_config: dict, data: RunData,
+def warmed_up_checkpoint(recipe: Recipe, *, pool, layout_of: str, weights: Path, hf_config: dict, data: RunData,
                          tracker: Tracker, out_dir: Path) -> Path:
-    """`weights` after `recipe.sft_warmup`, saved as a weights-only checkpoint in `out_dir` (replacing one left
-    there); the engine group it ran on is gone afterwards."""
-    group = start_engine_group(pool, name="sft_warmup", kind="policy", parallel=parallel, hf_config=hf_config,
-                               weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
-                               transformer_impl=recipe.model.transformer_impl,
-                               optimizer=optimizer_settings(recipe, "actor"), log_dir=None)
+    """`weights` after `recipe.sft_warmup` on the layout of role `layout_of`, saved as a weights-only checkpoint
+    in `out_dir` (replacing one left there); the engine group it ran on is gone afterwards."""
+    group = start_engine_group(pool, name="sft_warmup", settings=warmup_engine_settings(recipe, layout_of=layout_of),
+                               hf_config=hf_config, weights=str(weights), log_dir=None)
     try:
         steps = run_sft_warmup(PolicyRole(group, batching=logprob_batching(recipe)), data, recipe, tracker)
         shutil.rmtree(out_dir, ignore_errors=True)
-        group.run("save_checkpoint", str(out_dir), weights_only=True)
+        group.run(MegatronWorker.save_checkpoint, str(out_dir), weights_only=True)
         tracker.message(f"warm-up: {steps} supervised steps, saved to {out_dir}")
         return out_dir
     finally:
@@ -68,7 +66,7 @@ def warm_up(recipe: Recipe, hf_out: Path, *, ray_address: str | None = None) -> 
         cleanup.callback(tracker.close)
         pool = plan_pools(recipe)["actor"]
         cleanup.callback(pool.release)
-        warmed_up_checkpoint(recipe, pool=pool, parallel=recipe.actor.parallel.model_dump(), weights=weights,
+        warmed_up_checkpoint(recipe, pool=pool, layout_of="actor", weights=weights,
                              hf_config=recipe.model.hf_config(), data=data, tracker=tracker, out_dir=checkpoint)
     # Ray's workers are gone and this process never joined torch.distributed: the conversion can run here.
     export_checkpoint(checkpoint, hf_out)

@@ -16,7 +16,7 @@ from typing import Any
 from megarl.config.layout import TRAINING_ROLES, active_roles, role_parallel, role_pool, rollout_layout, training_layout
 from megarl.config.schema import Recipe, read_hf_config
 from megarl.errors import InputError
-from megarl.registry import ADVANTAGE_ESTIMATORS, REWARD_COMBINE_MODES, WEIGHT_SYNC_TRANSPORTS
+from megarl.registry import ADVANTAGE_ESTIMATORS, MODEL_SPECS, REWARD_COMBINE_MODES, WEIGHT_SYNC_TRANSPORTS
 
 MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -35,20 +35,28 @@ def _problem(key: str, message: str, got: Any, *, verbatim: bool = False) -> Pro
 
 
 def _model_shape(config: dict[str, Any], key: str) -> tuple[dict[str, int], list[Problem]]:
-    """The integer sizes the layout rules need from an HF config; a problem per missing/bad one.
+    """The integer sizes the layout rules need from an HF config, and a problem per reason the engines could not
+    build the model (the check of its family's spec in `megarl.registry.MODEL_SPECS`).
 
-    `key` is the recipe key of the config: an inline dict (`model.config`) or a checkpoint dir.
+    `key` is the recipe key of the config: an inline dict (`model.config`, each line names the config key) or a
+    checkpoint dir (each line names the dir's key and the config.json key).
     """
-    shape, problems = {}, []
-    for name in ("num_hidden_layers", "num_attention_heads"):
-        value = config.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            where = f"{key}.{name}" if key == "model.config" else key
-            problems.append(_problem(where, f"the model config needs a positive integer {name}", value))
-        else:
-            shape[name] = value
-    shape["num_key_value_heads"] = config.get("num_key_value_heads") or shape.get("num_attention_heads", 1)
-    for name in ("max_position_embeddings", *MOE_EXPERT_KEYS):
+    inline = key == "model.config"
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in MODEL_SPECS:
+        known = ", ".join(MODEL_SPECS.names())
+        where, what = (f"{key}.model_type", "") if inline else (key, "config.json model_type: ")
+        return {}, [_problem(where, f"{what}not a supported model_type; known: {known}", model_type)]
+    problems = [
+        _problem(f"{key}.{name}", message, value) if inline else _problem(key, f"config.json {name}: {message}", value)
+        for name, message, value in MODEL_SPECS.get(model_type).target.config_problems(config)
+    ]
+    if problems:
+        return {}, problems
+    shape = {name: config[name] for name in ("num_hidden_layers", "num_attention_heads")}
+    shape["num_key_value_heads"] = config.get("num_key_value_heads") or shape["num_attention_heads"]
+    for name in ("max_position_embeddings", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                 *MOE_EXPERT_KEYS):
         if isinstance(config.get(name), int):
             shape[name] = config[name]
     return shape, problems
@@ -193,6 +201,54 @@ def _check_batches(recipe: Recipe, role: str) -> list[Problem]:
     if layout.dp is not None and mini % (micro * layout.dp):
         message = f"must be divisible by ppo_micro_batch_size * dp = {micro}*{layout.dp}"
         problems.append(_problem(f"{role}.ppo_mini_batch_size", message, mini))
+    return problems
+
+
+def _check_optimizer(optim, key: str, *, optimizer_steps: int | None) -> list[Problem]:
+    """Megatron's LR schedule asserts min_lr <= lr and a warm-up shorter than the run's optimizer steps."""
+    problems = []
+    if optim.min_lr > optim.lr:
+        problems.append(_problem(f"{key}.min_lr", f"must be at most {key}.lr = {optim.lr:g}", optim.min_lr))
+    if optimizer_steps is not None and optim.warmup_steps >= optimizer_steps:
+        problems.append(_problem(f"{key}.warmup_steps", f"must be fewer than the run's {optimizer_steps} optimizer "
+                                 "steps", optim.warmup_steps))
+    return problems
+
+
+def _check_optimizers(recipe: Recipe) -> list[Problem]:
+    """Each optimizer against the number of steps it will take (what `megarl.config.settings` hands the engines)."""
+    problems = []
+    for role, section in (("actor", recipe.actor), ("critic", recipe.critic)):
+        if section is None:
+            continue
+        samples = recipe.data.train_batch_size * recipe.rollout.n
+        steps = recipe.trainer.total_steps * section.ppo_epochs * (samples // section.ppo_mini_batch_size)
+        problems += _check_optimizer(section.optim, f"{role}.optim", optimizer_steps=steps or None)
+    train = recipe.reward_model.train if recipe.reward_model is not None else None
+    if train is not None:
+        pairs = train.synthetic.num_train if train.synthetic is not None else None
+        steps = train.epochs * (pairs // train.mini_batch_size) if pairs is not None else None
+        problems += _check_optimizer(train.optim, "reward_model.train.optim", optimizer_steps=steps or None)
+        if pairs is not None and train.mini_batch_size > pairs:
+            problems.append(_problem("reward_model.train.mini_batch_size", f"more than the "
+                                     f"reward_model.train.synthetic.num_train = {pairs} pairs", train.mini_batch_size))
+    return problems
+
+
+def _check_synthetic_sizes(recipe: Recipe) -> list[Problem]:
+    """Batches against a generated data set's size (a file's rows are counted by `megarl validate`)."""
+    synthetic, problems = recipe.data.synthetic, []
+    if synthetic is None:
+        return []
+    for key, batch in (("data.train_batch_size", recipe.data.train_batch_size),
+                       ("sft_warmup.batch_size", recipe.sft_warmup.batch_size if recipe.sft_warmup.steps else 0)):
+        if batch > synthetic.num_train:
+            problems.append(_problem(key, f"more than the data.synthetic.num_train = {synthetic.num_train} prompts",
+                                     batch))
+    pairs = (synthetic.max_operand + 1) ** 2
+    if synthetic.task == "addition" and synthetic.num_val >= pairs:
+        problems.append(_problem("data.synthetic.num_val", f"leaves no (a, b) pair for training: max_operand = "
+                                 f"{synthetic.max_operand} makes {pairs} pairs", synthetic.num_val))
     return problems
 
 
@@ -355,6 +411,37 @@ def _check_reward_model_training(recipe: Recipe) -> list[Problem]:
     return problems
 
 
+def _check_lora(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem]:
+    """LoRA adapters on the actor, and the adapter-only weight sync that needs them."""
+    lora, problems = recipe.actor.lora, []
+    if lora is None:
+        if recipe.weight_sync.lora == "adapter":
+            problems.append(_problem("weight_sync.lora", "the adapter-only sync needs actor.lora", "adapter"))
+        return problems
+    if recipe.actor.parallel.sequence_parallel:
+        problems.append(_problem("actor.parallel.sequence_parallel", "not supported with actor.lora", True))
+    if recipe.sft_warmup.steps > 0:
+        problems.append(_problem("sft_warmup.steps", "with actor.lora the base is frozen and the warm-up would "
+                                 "train it: run `megarl warmup` without actor.lora and set model.path to its "
+                                 "output", recipe.sft_warmup.steps))
+    if "parallel" in recipe.reference.model_fields_set:
+        # No reference engine runs: KL terms take the base model's log-probs from the actor itself.
+        problems.append(_problem("reference.parallel", "with actor.lora the reference policy is the actor with its "
+                                 "adapters switched off and no reference engine runs; remove the reference "
+                                 "section", "a reference layout", verbatim=True))
+    if shape is not None:
+        ffn = "moe_intermediate_size" if any(name in shape for name in MOE_EXPERT_KEYS) else "intermediate_size"
+        sizes = [shape[name] for name in ("hidden_size", ffn) if name in shape]
+        if sizes and lora.rank > min(sizes):
+            problems.append(_problem("actor.lora.rank", f"larger than the smallest dimension of an adapted linear "
+                                     f"({min(sizes)})", lora.rank))
+    if recipe.weight_sync.lora == "adapter" and recipe.weight_sync.transport == "distributed":
+        problems.append(_problem("weight_sync.transport", "an adapter-only sync (weight_sync.lora: adapter) goes "
+                                 "through tensors on colocated servers or a shared directory: use 'tensor' or "
+                                 "'disk'", "distributed"))
+    return problems
+
+
 def check_recipe(recipe: Recipe) -> list[Problem]:
     """Every cross-field problem of a field-valid recipe (empty when it is consistent)."""
     problems = _check_model_source(recipe)
@@ -382,8 +469,11 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
         if role in active_roles(recipe) and role_pool(recipe.placement, role) is not None:
             problems += _check_batches(recipe, role)
     problems += _check_rollout(recipe, shape)
+    problems += _check_optimizers(recipe)
     problems += _check_algorithm_and_data(recipe, shape)
+    problems += _check_synthetic_sizes(recipe)
     problems += _check_reward(recipe)
+    problems += _check_lora(recipe, shape)
     if recipe.reward_model is not None and role_pool(recipe.placement, "reward_model") is not None:
         problems += _check_reward_model_training(recipe)
     return problems

@@ -59,11 +59,12 @@ class RolloutLayout:
 
 def active_roles(recipe: Recipe) -> tuple[str, ...]:
     """Roles `megarl train` starts: actor and rollout always, critic and reward_model iff configured,
-    reference iff KL is used, judge iff reward.judge is configured."""
+    reference iff KL is used without LoRA (with `actor.lora` the actor computes the reference log-probs with its
+    adapters off), judge iff reward.judge is configured."""
     roles = ["actor"]
     if recipe.critic is not None:
         roles.append("critic")
-    if recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss:
+    if (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss) and recipe.actor.lora is None:
         roles.append("reference")
     if recipe.reward_model is not None:
         roles.append("reward_model")

@@ -56,7 +56,7 @@ def _read_layers(path: Path) -> Layers:
     if not isinstance(base_ref, str) or not base_ref.strip():
         raise InputError(f"{path}: {BASE_KEY}: expected a recipe file path relative to this file (got {base_ref!r})")
     base_path = path.parent / base_ref
-    if not base_path.is_file():
+    if not base_path.exists():
         raise InputError(f"{path}: {BASE_KEY}: base recipe {base_path} not found (got {base_ref!r})")
     base = read_yaml_file(base_path)
     if BASE_KEY in base:

@@ -18,7 +18,17 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
-from megarl.config.training import Optim, Parallel, Section, registered
+from megarl.config.training import (
+    MAX_SYNTHETIC_ROWS,
+    MAX_THREADS,
+    Optim,
+    Parallel,
+    Seconds,
+    Section,
+    Seed,
+    Temperature,
+    registered,
+)
 from megarl.registry import JUDGE_PARSERS, REWARD_COMBINE_MODES
 
 _SCORER_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -56,7 +66,13 @@ class JudgeConfig(Section):
         "the row's prompt), {response} (the decoded response), {ground_truth} and {data_source}; the "
         "judge's chat template is applied to it",
     )
-    parser: JudgeParser = Field("last_number", description="how the judge's output becomes a score")
+    parser: JudgeParser = Field(
+        "score_tag",
+        description="how the judge's output becomes a score: score_tag (the number in the last "
+        "<score>...</score>; ask for it in prompt_template), last_number (the last number; a verdict ending on a "
+        "fraction such as 7/10 is a parse failure), fraction (the last a/b read as a / b: 7/10 is 0.7), yes_no "
+        "(a final yes 1, no 0)",
+    )
     score_range: tuple[float, float] = Field(
         (0.0, 10.0), description="[lowest, highest] score the judge may give; a parsed score outside is a parse failure"
     )
@@ -67,12 +83,12 @@ class JudgeConfig(Section):
         "the policy gains nothing by confusing the judge",
     )
     max_new_tokens: PositiveInt = Field(64, description="tokens the judge may generate per verdict")
-    temperature: NonNegativeFloat = Field(0.0, description="judge sampling temperature; 0 = greedy")
+    temperature: Temperature = Field(0.0, description="judge sampling temperature; 0 = greedy")
     num_servers: PositiveInt = Field(1, description="servers in the judge fleet")
     tp: PositiveInt = Field(1, description="tensor-parallel size of one judge server")
     max_concurrency: PositiveInt = Field(64, description="in-flight judge requests per server")
     mem_fraction: float = Field(0.3, gt=0.0, le=1.0, description="share of accelerator memory a judge server may take")
-    engine_threads: PositiveInt = Field(1, description="torch threads of one CPU judge engine")
+    engine_threads: PositiveInt = Field(1, le=MAX_THREADS, description="torch threads of one CPU judge engine")
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang arguments of the judge servers")
 
     @field_validator("prompt_template")
@@ -101,15 +117,23 @@ class JudgeConfig(Section):
 
 class RemoteRewardConfig(Section):
     """The user's reward service: one `POST url` per row, JSON in and out (schema in
-    `megarl.rewards.remote`). A row that still fails after the retries fails the step naming its uid;
-    it is never scored 0 in silence."""
+    `megarl.rewards.remote`). A row that still fails after the retries fails the step naming its uid, or
+    leaves its group (`on_failure: drop`); it is never scored 0 in silence. The service is called only when
+    `reward.combine` uses the model-side score."""
 
     url: str = Field(description="http(s) endpoint that scores one row per POST")
     max_concurrency: PositiveInt = Field(32, description="requests in flight at once")
-    timeout_s: PositiveFloat = Field(30.0, description="one request may take at most this long")
-    retries: NonNegativeInt = Field(3, description="attempts after the first for a row whose request failed")
-    backoff_s: PositiveFloat = Field(0.5, description="wait before the first retry; doubled for each further one")
+    timeout_s: Seconds = Field(30.0, description="one request may take at most this long")
+    # The wait doubles with each retry: 20 of them already reach days.
+    retries: NonNegativeInt = Field(3, le=20, description="attempts after the first for a row whose request failed")
+    backoff_s: Seconds = Field(0.5, description="wait before the first retry; doubled for each further one")
     headers: dict[str, str] = Field(default_factory=dict, description="HTTP headers sent with every request")
+    on_failure: Literal["fail", "drop"] = Field(
+        "fail",
+        description="a row that still fails after the retries: fail = the step fails naming every such row; "
+        "drop = the row leaves its group (no loss, not in its group's baseline, not in the step's score and "
+        "length metrics), counted in reward/remote_failed",
+    )
 
     @field_validator("url")
     @classmethod
@@ -128,14 +152,15 @@ class RewardConfig(Section):
     )
     format_score: float = Field(0.0, description="score of a well-formed but wrong answer")
     score: float = Field(1.0, description="score of a correct answer")
-    num_workers: NonNegativeInt = Field(0, description="scoring processes; 0 = score in the controller")
+    num_workers: NonNegativeInt = Field(0, le=MAX_THREADS, description="scoring processes; 0 = score in the controller")
     combine: CombineMode = Field(
         "rule",
         description="how the outcome reward is made from the rule score and the model-side score rm_scores "
         "(reward_model, reward.judge or reward.remote): rule = the rule score; rm = the model-side score; "
         "sum = weights.rule * rule + weights.rm * rm; rule_gated = the model-side score where the rule score "
-        "reaches gate.pass_threshold, gate.fail_score elsewhere. With 'rule' a configured model side is "
-        "still scored and logged (reward/rm_score, reward/rm_rule_corr), not trained on",
+        "reaches gate.pass_threshold, gate.fail_score elsewhere. With 'rule' a configured reward model or judge "
+        "is still scored and logged (reward/rm_score, reward/rm_rule_corr), not trained on; a remote service is "
+        "not called",
     )
     weights: CombineWeights = Field(default_factory=CombineWeights, description="weights of combine: sum")
     gate: RewardGate = Field(default_factory=RewardGate, description="the gate of combine: rule_gated")
@@ -155,18 +180,24 @@ class SyntheticPairs(Section):
     task: Literal["addition"] = Field(
         description="preference pairs from the arithmetic task: the reference answer preferred over a wrong one"
     )
-    num_train: PositiveInt = Field(description="training pairs to generate")
-    num_val: PositiveInt = Field(description="validation pairs to generate (problems never in the training pairs)")
-    seed: int = Field(0, description="generator seed")
+    num_train: PositiveInt = Field(le=MAX_SYNTHETIC_ROWS, description="training pairs to generate")
+    num_val: PositiveInt = Field(le=MAX_SYNTHETIC_ROWS,
+                                 description="validation pairs to generate (problems never in the training pairs)")
+    seed: Seed = Field(0, description="generator seed")
     max_operand: PositiveInt = Field(99, description="largest operand of the generated problems")
 
 
 class RewardModelTraining(Section):
-    """`megarl train-rm`: a Bradley-Terry fit, -log sigmoid(score(chosen) - score(rejected)), on preference
-    pairs; writes the HF checkpoint the reward-model role loads to `reward_model.path`."""
+    """`megarl train-rm`: a Bradley-Terry fit, -log sigmoid(score(chosen) - score(rejected) - margin), on
+    preference pairs; writes the HF checkpoint the reward-model role loads to `reward_model.path`, with the
+    tokenizer's pad id (its EOS when it has no pad token, which the log says; the score is then read before a
+    trailing EOS, by HF as in training)."""
 
     train_files: list[str] = Field(
-        default_factory=list, description="parquet files of pairs: prompt (chat messages), chosen, rejected (text)"
+        default_factory=list,
+        description="parquet files of pairs: prompt (chat messages), chosen, rejected (text), and optionally "
+        "margin (a number per pair: the loss becomes -log sigmoid(s_c - s_r - margin), as in TRL and OpenRLHF; "
+        "0 without the column)",
     )
     val_files: list[str] = Field(default_factory=list, description="validation pairs (same columns)")
     synthetic: SyntheticPairs | None = Field(None, description="generate the pairs instead of reading files")
@@ -194,8 +225,8 @@ class RewardModelTraining(Section):
 
 
 class RewardModelConfig(Section):
-    """The reward-model role: a Megatron engine (the GPT backbone plus a scalar score head read at the last
-    valid token) scoring every generated row."""
+    """The reward-model role: a Megatron engine (the GPT backbone plus a scalar score head read at HF's pooling
+    token: the rightmost token that is not the checkpoint's pad_token_id) scoring every generated row."""
 
     path: str = Field(
         description="HF *ForSequenceClassification checkpoint with num_labels 1 (Skywork-Reward and the "

@@ -15,12 +15,28 @@ from typing import Any, Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
 from megarl.config.reward import RewardConfig, RewardModelConfig
-from megarl.config.training import ActorConfig, AlgorithmConfig, CriticConfig, ReferenceConfig, Section, registered
+from megarl.config.training import (
+    MAX_LR,
+    MAX_SYNTHETIC_ROWS,
+    MAX_THREADS,
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    ReferenceConfig,
+    Seconds,
+    Section,
+    Seed,
+    Temperature,
+    registered,
+)
 from megarl.errors import InputError
+from megarl.userfiles import directory_problem, file_problem, read_bounded
 from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 
 WeightSyncTransport = registered(WEIGHT_SYNC_TRANSPORTS)
 Role = Literal["actor", "critic", "reference", "rollout", "reward_model", "judge"]
+# An HF config.json is a few KiB; one far larger is not a config.
+MAX_CONFIG_BYTES = 16 << 20
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -73,11 +89,16 @@ def _check_agrees(inline: dict[str, Any], loaded: dict[str, Any], config_file: P
 def read_hf_config(checkpoint_dir: str, *, key: str) -> dict[str, Any]:
     """`<checkpoint_dir>/config.json` as a dict; InputError lines name `key` (the recipe key holding the dir)."""
     config_file = _config_file(checkpoint_dir)
+    problem = directory_problem(Path(checkpoint_dir).expanduser())
+    if problem not in (None, "no such directory"):
+        raise InputError(f"{key}: {problem} (got {checkpoint_dir!r})")
+    if file_problem(config_file) == "no such file":
+        raise InputError(f"{key}: {config_file} not found (got {checkpoint_dir!r})")
     try:
-        loaded = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise InputError(f"{key}: {config_file} not found (got {checkpoint_dir!r})") from None
-    except (OSError, ValueError) as error:
+        loaded = json.loads(read_bounded(config_file, MAX_CONFIG_BYTES))
+    except InputError as error:  # not a regular file, or too large for a config
+        raise InputError(f"{key}: {error.problems[0]} (got {checkpoint_dir!r})") from None
+    except (OSError, ValueError, RecursionError) as error:
         raise InputError(f"{key}: cannot read {config_file}: {error} (got {checkpoint_dir!r})") from None
     if not isinstance(loaded, dict):
         raise InputError(f"{key}: {config_file} is not a JSON object (got {type(loaded).__name__})")
@@ -89,9 +110,9 @@ class SyntheticData(Section):
         description="generated task family: addition problems, or random digit strings of a fixed token length "
         "(`megarl bench --synthetic`)"
     )
-    num_train: PositiveInt = Field(description="training prompts to generate")
-    num_val: NonNegativeInt = Field(description="validation prompts to generate")
-    seed: int = Field(0, description="generator seed (independent of the run seed)")
+    num_train: PositiveInt = Field(le=MAX_SYNTHETIC_ROWS, description="training prompts to generate")
+    num_val: NonNegativeInt = Field(le=MAX_SYNTHETIC_ROWS, description="validation prompts to generate")
+    seed: Seed = Field(0, description="generator seed (independent of the run seed)")
     max_operand: PositiveInt = Field(99, description="largest operand of the generated problems")
     prompt_length: PositiveInt | None = Field(
         None, description="random_digits: tokens in every prompt after the chat template; null = data.max_prompt_length"
@@ -113,14 +134,16 @@ class DataConfig(Section):
 class RolloutConfig(Section):
     backend: Literal["cpu", "sglang"] = Field("sglang", description="SGLang servers, or megarl's CPU engine")
     n: PositiveInt = Field(1, description="responses sampled per prompt")
-    temperature: NonNegativeFloat = Field(1.0, description="sampling temperature for training rollouts")
+    temperature: Temperature = Field(
+        1.0, description="sampling temperature for training rollouts; 0 = greedy, else at least 1e-6"
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: int = Field(-1, description="top-k sampling; -1 = off")
     ignore_eos: bool = Field(
         False, description="generate max_response_length tokens every time: neither EOS nor a stop token ends a "
         "response (SGLang's ignore_eos; fixed response lengths for benchmarks)"
     )
-    val_temperature: NonNegativeFloat = Field(0.0, description="temperature for validation; 0 = greedy")
+    val_temperature: Temperature = Field(0.0, description="temperature for validation; 0 = greedy")
     num_servers: PositiveInt = Field(1, description="inference servers (engines) in the fleet")
     tp: PositiveInt = Field(1, description="tensor-parallel size of one server")
     max_concurrency: PositiveInt = Field(256, description="in-flight requests per server")
@@ -139,7 +162,7 @@ class RolloutConfig(Section):
         "shared filesystem, every server at once",
     )
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang server arguments, passed through")
-    engine_threads: PositiveInt = Field(1, description="torch threads of one CPU engine")
+    engine_threads: PositiveInt = Field(1, le=MAX_THREADS, description="torch threads of one CPU engine")
     routing: Literal["client", "router"] = Field(
         "client", description="spread generation requests in megarl's client, or through sglang-router"
     )
@@ -187,7 +210,13 @@ class WeightSyncConfig(Section):
     )
     bucket_mb: PositiveInt = Field(512, description="size of one transfer bucket in MiB")
     verify: Literal["none", "checksum"] = Field("none", description="checksum every synced tensor (debugging)")
-    timeout_s: PositiveFloat = Field(600.0, description="one sync may take at most this long")
+    timeout_s: Seconds = Field(600.0, description="one sync may take at most this long")
+    lora: Literal["merged", "adapter"] = Field(
+        "merged", description="with actor.lora: merged = W + (alpha/r) B A of the adapted weights through the "
+        "transport (the servers need no LoRA support); adapter = only the adapters, loaded as a LoRA adapter that "
+        "every generation names (transport tensor: /load_lora_adapter_from_tensors on colocated servers; disk: "
+        "/load_lora_adapter from the run directory, which the servers must see)"
+    )
 
 
 class WandbConfig(Section):
@@ -231,7 +260,7 @@ class CheckpointConfig(Section):
         False, description="save weights without optimizer and LR-schedule state (smaller; a resume from such a "
         "checkpoint starts the optimizers afresh, so it is not exact)"
     )
-    preempt_timeout_s: PositiveFloat = Field(
+    preempt_timeout_s: Seconds = Field(
         300.0, description="after SIGTERM/SIGINT the run checkpoints and exits within this many seconds; past "
         "that it stops without a new checkpoint"
     )
@@ -273,7 +302,7 @@ class SftWarmupConfig(Section):
         description="end the warm-up early once the mean loss of the last 10 steps falls below this "
         "(a stop point by competence, not by step count)",
     )
-    lr: PositiveFloat = Field(1e-3, description="learning rate of the warm-up")
+    lr: PositiveFloat = Field(1e-3, le=MAX_LR, description="learning rate of the warm-up (at most 10)")
     batch_size: PositiveInt = Field(64, description="samples per warm-up step")
 
 
@@ -285,7 +314,7 @@ class Recipe(Section):
         description="run name: letters, digits, '.', '_' and '-' (a plain directory name); the run dir is "
         "trainer.output_dir/name",
     )
-    seed: int = Field(0, description="global seed (data order, init, sampling)")
+    seed: Seed = Field(0, description="global seed (data order, init, sampling), in [0, 2**32)")
     model: ModelConfig = Field(description="policy model")
     data: DataConfig = Field(description="datasets and lengths")
     algorithm: AlgorithmConfig = Field(description="advantage estimator and in-reward KL")

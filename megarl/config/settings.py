@@ -1,14 +1,23 @@
-"""Frozen settings the engines and the weight sync run with, built once from a validated recipe.
+"""Frozen settings the step, the fleets, the engines and the weight sync run with, built once from a validated
+recipe: the one road from recipe to runtime settings.
 
 The recipe is the only place defaults live; these objects carry resolved values
-(per-rank mini-batch sizes, optimizer steps of the whole run) across Ray to the
-engines, which take them whole. Nothing here has a default of its own.
+(per-rank mini-batch sizes, optimizer steps of the whole run, token ids) to the
+controller, to the fleets and across Ray to the engines, which take them whole.
+Nothing here has a default of its own, and nothing past this module reads the
+recipe for these settings.
+
+`rollout.temperature` is read once, into the run's `SamplingSettings`: the fleet
+samples with it, and the log-prob pass (`StepSettings.sampling`) and the loss
+(`PolicyUpdateSettings.temperature`) take it from that object, so the engines score
+the distribution the responses were drawn from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from megarl.config.layout import training_layout
 from megarl.config.schema import Recipe
@@ -39,6 +48,19 @@ class OptimizerSettings:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """The actor's LoRA adapters (`actor.lora`): rank r, alpha (the update is scaled by alpha / r), dropout on
+    the adapter's input, the Megatron linears adapted, how A is initialised (B starts at 0) and from which seed."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    targets: tuple[str, ...]
+    init: str
+    seed: int
+
+
+@dataclass(frozen=True)
 class PolicyLossSettings:
     """The policy loss (`policy_loss`, a `POLICY_LOSSES` name): clipping, aggregation, entropy bonus and the
     optional KL-to-reference term."""
@@ -57,7 +79,7 @@ class PolicyLossSettings:
 @dataclass(frozen=True)
 class PolicyUpdateSettings:
     """One actor update: `epochs` passes over the step's batch in mini-batches of `mini_batch_size` rows per
-    DP rank, one optimizer step each, sampling temperature `temperature` for the log-probs."""
+    DP rank, one optimizer step each; the log-probs at the rollout's sampling `temperature`."""
 
     epochs: int
     mini_batch_size: int
@@ -96,14 +118,93 @@ class PreferenceUpdateSettings:
 
 @dataclass(frozen=True)
 class WeightSyncSettings:
-    """How the actor's weights reach the rollout fleet (`weight_sync` in the recipe); `disk_dir` is the run-local
-    directory the disk transport writes to."""
+    """How the actor's weights reach the rollout fleet (`weight_sync` in the recipe): buckets of at most
+    `bucket_bytes` (the recipe's `bucket_mb` MiB); `disk_dir` is the run-local directory the disk transport
+    writes to."""
 
     transport: str
-    bucket_mb: float
+    bucket_bytes: int
     verify: str
     timeout_s: float
     disk_dir: str
+    lora: str  # with LoRA: "merged" weights, or "adapter" only
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How a fleet samples, in SGLang's `sampling_params` terms (less the per-sample seed, which each request
+    derives from the call's seed): at most `max_new_tokens` per response, `temperature` (0: greedy), `top_p`,
+    `top_k` (-1: off); a response ends at one of `stop_token_ids` unless `ignore_eos`."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The per-step knobs of `Trainer.step`: `rollout_n` responses per prompt drawn with `sampling` (whose
+    temperature the log-prob pass uses too), the advantage estimator and its options, the KL-in-reward
+    penalty, batch balancing, the critic's warm-up steps and `num_devices`, every device of the placement
+    (perf/throughput is per device)."""
+
+    rollout_n: int
+    sampling: SamplingSettings
+    max_prompt_length: int
+    max_response_length: int
+    adv_estimator: str
+    gamma: float
+    lam: float
+    norm_adv_by_std: bool
+    use_kl_in_reward: bool
+    kl_penalty: str
+    balance_batch: bool
+    critic_warmup: int
+    num_devices: int
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """A fleet of generation servers: `num_servers` of `backend` ("cpu" or "sglang") over `tp` devices each,
+    bound to `bind` (from `port` up, or free ports), with `threads` torch threads (CPU engine) or
+    `mem_fraction` of the device and `sglang_args` (SGLang); `enable_memory_saver` lets it release memory
+    between phases. Requests: `max_concurrency` per server, spread by `routing` ("client" or "router" with
+    `router_policy`), seeded from `seed`; a server has `startup_timeout_s` to come up. `model_path` and
+    `tokenizer_path`: fixed weights (the judge), or None for the run's initial weights (the policy)."""
+
+    backend: str
+    num_servers: int
+    tp: int
+    bind: str
+    port: int | None
+    threads: int
+    mem_fraction: float
+    sglang_args: dict[str, Any]
+    enable_memory_saver: bool
+    max_concurrency: int
+    routing: str
+    router_policy: str
+    seed: int
+    startup_timeout_s: float
+    model_path: str | None
+    tokenizer_path: str | None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One Megatron engine group: `kind` ("policy": actor or reference, "value": critic, "reward": reward
+    model), its `parallel` layout (tp, pp, vpp, ep, ...), `seed`, `params_dtype`, `transformer_impl`, and its
+    `optimizer` (None: frozen)."""
+
+    kind: str
+    parallel: dict[str, Any]
+    seed: int
+    params_dtype: str
+    transformer_impl: str
+    optimizer: OptimizerSettings | None
 
 
 def _updates_per_step(recipe: Recipe, section) -> int:
@@ -142,7 +243,8 @@ def logprob_batching(recipe: Recipe) -> Batching:
     return Batching(actor.logprob_micro_batch_size or actor.ppo_micro_batch_size, actor.max_tokens_per_microbatch)
 
 
-def policy_update_settings(recipe: Recipe) -> PolicyUpdateSettings:
+def policy_update_settings(recipe: Recipe, *, sampling: SamplingSettings) -> PolicyUpdateSettings:
+    """The actor's update; its log-probs at the temperature of `sampling`, the run's `rollout_sampling`."""
     actor = recipe.actor
     return PolicyUpdateSettings(
         epochs=actor.ppo_epochs,
@@ -150,7 +252,7 @@ def policy_update_settings(recipe: Recipe) -> PolicyUpdateSettings:
         batching=Batching(actor.ppo_micro_batch_size, actor.max_tokens_per_microbatch),
         shuffle=actor.shuffle,
         seed=recipe.seed,
-        temperature=recipe.rollout.temperature,
+        temperature=sampling.temperature,
         loss=PolicyLossSettings(
             policy_loss=actor.policy_loss,
             clip_ratio_low=actor.clip_ratio_low,
@@ -188,11 +290,21 @@ def weight_sync_settings(recipe: Recipe, run_dir: Path) -> WeightSyncSettings:
     sync = recipe.weight_sync
     return WeightSyncSettings(
         transport=sync.transport,
-        bucket_mb=sync.bucket_mb,
+        bucket_bytes=sync.bucket_mb << 20,
         verify=sync.verify,
         timeout_s=sync.timeout_s,
         disk_dir=str(Path(run_dir) / "weight_sync"),
+        lora=sync.lora,
     )
+
+
+def lora_settings(recipe: Recipe) -> LoraSettings | None:
+    """The actor's LoRA adapters (None: full fine-tuning); adapters are initialised from the run seed."""
+    lora = recipe.actor.lora
+    if lora is None:
+        return None
+    return LoraSettings(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=tuple(lora.target_modules),
+                        init=lora.init, seed=recipe.seed)
 
 
 def reward_scoring_batching(recipe: Recipe) -> Batching:
@@ -220,3 +332,102 @@ def combine_options(recipe: Recipe) -> dict[str, float | None]:
     reward = recipe.reward
     return {"rule_weight": reward.weights.rule, "rm_weight": reward.weights.rm,
             "pass_threshold": reward.gate.pass_threshold, "fail_score": reward.gate.fail_score}
+
+
+def rollout_sampling(recipe: Recipe, *, eos_token_id: int) -> SamplingSettings:
+    """How training rollouts sample: `rollout.temperature`, `top_p`, `top_k`, `ignore_eos`, at most
+    `data.max_response_length` tokens, ending at the policy tokenizer's `eos_token_id`."""
+    rollout = recipe.rollout
+    return SamplingSettings(max_new_tokens=recipe.data.max_response_length, temperature=rollout.temperature,
+                            top_p=rollout.top_p, top_k=rollout.top_k, stop_token_ids=(eos_token_id,),
+                            ignore_eos=rollout.ignore_eos)
+
+
+def validation_sampling(recipe: Recipe, *, eos_token_id: int) -> SamplingSettings:
+    """The training rollouts' sampling at `rollout.val_temperature` (0: greedy)."""
+    return replace(rollout_sampling(recipe, eos_token_id=eos_token_id), temperature=recipe.rollout.val_temperature)
+
+
+def judge_sampling(recipe: Recipe, *, eos_token_id: int) -> SamplingSettings:
+    """The LLM judge's verdicts: `reward.judge.max_new_tokens` at `reward.judge.temperature`, no top-p or top-k,
+    ending at the judge tokenizer's `eos_token_id`."""
+    judge = recipe.reward.judge
+    return SamplingSettings(max_new_tokens=judge.max_new_tokens, temperature=judge.temperature, top_p=1.0, top_k=-1,
+                            stop_token_ids=(eos_token_id,), ignore_eos=False)
+
+
+def step_settings(recipe: Recipe, *, sampling: SamplingSettings, num_devices: int) -> StepSettings:
+    """`Trainer.step`'s settings; `sampling` is the run's `rollout_sampling`."""
+    algo = recipe.algorithm
+    return StepSettings(
+        rollout_n=recipe.rollout.n,
+        sampling=sampling,
+        max_prompt_length=recipe.data.max_prompt_length,
+        max_response_length=recipe.data.max_response_length,
+        adv_estimator=algo.adv_estimator,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
+        use_kl_in_reward=algo.use_kl_in_reward,
+        kl_penalty=algo.kl_penalty,
+        balance_batch=recipe.trainer.balance_batch,
+        critic_warmup=recipe.critic.warmup_steps if recipe.critic else 0,
+        num_devices=num_devices,
+    )
+
+
+def sleeps_between_phases(recipe: Recipe) -> bool:
+    """Whether the fleet and the engines take turns on the devices (colocated and `placement.offload`)."""
+    return recipe.placement.colocate and recipe.placement.offload
+
+
+def rollout_fleet_settings(recipe: Recipe) -> FleetSettings:
+    """The policy's fleet (`rollout`): it starts from the run's initial weights and takes every sync."""
+    rollout = recipe.rollout
+    return FleetSettings(
+        backend=rollout.backend, num_servers=rollout.num_servers, tp=rollout.tp, bind=rollout.host,
+        port=rollout.port, threads=rollout.engine_threads, mem_fraction=rollout.mem_fraction,
+        sglang_args=dict(rollout.sglang), enable_memory_saver=sleeps_between_phases(recipe),
+        max_concurrency=rollout.max_concurrency, routing=rollout.routing, router_policy=rollout.router_policy,
+        seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s, model_path=None, tokenizer_path=None,
+    )
+
+
+def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
+    """The LLM judge's fleet (`reward.judge`): the rollout's backend, address and start-up time, fixed weights,
+    client-side routing, never released between phases."""
+    judge, rollout = recipe.reward.judge, recipe.rollout
+    return FleetSettings(
+        backend=rollout.backend, num_servers=judge.num_servers, tp=judge.tp, bind=rollout.host, port=None,
+        threads=judge.engine_threads, mem_fraction=judge.mem_fraction, sglang_args=dict(judge.sglang),
+        enable_memory_saver=False, max_concurrency=judge.max_concurrency, routing="client",
+        router_policy=rollout.router_policy, seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s,
+        model_path=judge.model_path, tokenizer_path=judge.tokenizer or judge.model_path,
+    )
+
+
+_ENGINE_KINDS = {"actor": "policy", "reference": "policy", "critic": "value", "reward_model": "reward"}
+
+
+def engine_settings(recipe: Recipe, role: str, *, train_pairs: int | None = None) -> EngineSettings:
+    """The engine group of `role` ("actor", "reference", "critic", "reward_model") on the role's layout: the
+    actor and the critic with their optimizers, the reference and the reward model frozen, unless
+    `train_pairs` (`megarl train-rm`) gives the reward model its optimizer over that many pairs."""
+    if role in ("actor", "critic"):
+        optimizer = optimizer_settings(recipe, role)
+    elif role == "reward_model" and train_pairs is not None:
+        optimizer = reward_model_optimizer_settings(recipe, train_pairs=train_pairs)
+    else:
+        optimizer = None
+    dtype = recipe.model.dtype
+    if role == "reward_model":
+        dtype = recipe.reward_model.dtype or dtype
+    return EngineSettings(kind=_ENGINE_KINDS[role], parallel=getattr(recipe, role).parallel.model_dump(),
+                          seed=recipe.seed, params_dtype=dtype, transformer_impl=recipe.model.transformer_impl,
+                          optimizer=optimizer)
+
+
+def warmup_engine_settings(recipe: Recipe, *, layout_of: str) -> EngineSettings:
+    """The SFT warm-up's engine: the actor's (policy kind, model dtype, optimizer) on the layout of role
+    `layout_of` (the actor's in `megarl train` and `megarl warmup`, the reward model's for its backbone)."""
+    return replace(engine_settings(recipe, "actor"), parallel=getattr(recipe, layout_of).parallel.model_dump())

@@ -38,6 +38,32 @@ def registered(registry: Registry) -> Any:
     return Annotated[str, AfterValidator(registry.check), Field(json_schema_extra=add_enum)]
 
 
+# Bounds that keep a value usable by what consumes it, so `validate` refuses what `train` could not run.
+# Seeds feed numpy, torch and Python generators; all of them take [0, 2**32).
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
+# Python's threading waits refuse timeouts past ~292 years; nothing megarl waits for is longer than a month.
+MAX_SECONDS = 30 * 24 * 3600.0
+Seconds = Annotated[float, Field(gt=0.0, le=MAX_SECONDS)]
+# torch.optim.Adam refuses betas outside [0, 1).
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+# One engine or scorer process per thread/worker; beyond this it is a typo, not a machine.
+MAX_THREADS = 1024
+# Generated data sets are built in memory before they are written.
+MAX_SYNTHETIC_ROWS = 1_000_000
+# SGLang samples greedily below this temperature (its _SAMPLING_EPS), with log-probs at temperature 1.
+GREEDY_BELOW = 1e-6
+
+
+def _greedy_or_sampling(value: float) -> float:
+    if 0.0 < value < GREEDY_BELOW:
+        raise ValueError(f"must be 0 (greedy) or at least {GREEDY_BELOW:g}: SGLang samples greedily below that, "
+                         "while the trainer would divide the logits by it")
+    return value
+
+
+Temperature = Annotated[float, Field(ge=0.0), AfterValidator(_greedy_or_sampling)]
+INT64 = (-(2**63), 2**63 - 1)
+
 AdvantageEstimator = registered(ADVANTAGE_ESTIMATORS)
 KLPenalty = registered(KL_PENALTIES)
 LossAggMode = registered(LOSS_AGG_MODES)
@@ -50,6 +76,13 @@ def _accepts_bool(annotation: Any) -> bool:
     if annotation is bool or annotation is Any or (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
         return True
     return any(_accepts_bool(arg) for arg in get_args(annotation) if not isinstance(arg, (str, int, float)))
+
+
+def _holds_section(annotation: Any) -> bool:
+    """Whether a field's type is (or holds) a sub-section, which checks its own values."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_section(arg) for arg in get_args(annotation))
 
 
 def _scalars(value: Any) -> list[Any]:
@@ -66,7 +99,9 @@ class Section(BaseModel):
 
     # coerce_numbers_to_str: `name: 2024` in YAML is a run name, not a type error.
     # protected_namespaces=(): `model_path` is a recipe key, not a pydantic method.
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, protected_namespaces=())
+    # allow_inf_nan=False: no setting means anything with .inf or .nan (an infinite learning rate or timeout).
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, protected_namespaces=(),
+                              allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -79,6 +114,10 @@ class Section(BaseModel):
                 raise ValueError("expected true or false")
         elif not _accepts_bool(annotation) and any(isinstance(item, bool) for item in _scalars(value)):
             raise ValueError("expected a number or a string, not a boolean")
+        # Counts and sizes end up in torch, numpy and C code, where an integer past 64 bits overflows.
+        if not _holds_section(annotation) and any(
+                isinstance(item, int) and not INT64[0] <= item <= INT64[1] for item in _scalars(value)):
+            raise ValueError("an integer outside the 64-bit range")
         return value
 
 
@@ -117,15 +156,49 @@ class Parallel(Section):
     sequence_parallel: bool = Field(False, description="Megatron sequence parallelism; needs tp > 1")
 
 
+# The optimizer multiplies float32 tensors by these: past float32's range (~3.4e38) torch refuses the step, and
+# long before that the update is meaningless. The bounds leave every sane setting far inside.
+MAX_LR = 10.0
+
+
 class Optim(Section):
-    lr: PositiveFloat = Field(description="peak learning rate")
-    weight_decay: NonNegativeFloat = Field(0.0, description="decoupled weight decay (AdamW)")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas")
-    eps: PositiveFloat = Field(1e-8, description="Adam epsilon")
+    lr: PositiveFloat = Field(le=MAX_LR, description="peak learning rate (at most 10)")
+    weight_decay: NonNegativeFloat = Field(0.0, le=MAX_LR, description="decoupled weight decay (AdamW), at most 10")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="Adam betas, each in [0, 1)")
+    eps: PositiveFloat = Field(1e-8, le=1.0, description="Adam epsilon (at most 1)")
     clip_grad: NonNegativeFloat = Field(1.0, description="global gradient-norm clip; 0 disables clipping")
-    warmup_steps: NonNegativeInt = Field(0, description="linear learning-rate warm-up, in optimizer steps")
+    warmup_steps: NonNegativeInt = Field(
+        0, description="linear learning-rate warm-up, in optimizer steps (fewer than the run's optimizer steps)"
+    )
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="decay after warm-up")
-    min_lr: NonNegativeFloat = Field(0.0, description="floor of the cosine/linear decay")
+    min_lr: NonNegativeFloat = Field(0.0, le=MAX_LR, description="floor of the cosine/linear decay (at most lr)")
+
+
+LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+LORA_TARGETS = get_args(LoraTarget)
+
+
+class LoraConfig(Section):
+    rank: PositiveInt = Field(16, description="LoRA rank r of every adapter")
+    alpha: PositiveFloat = Field(32.0, description="LoRA alpha: an adapter adds (alpha / rank) * B A x")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on each adapter's input (training only)")
+    target_modules: list[LoraTarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1,
+        description="Megatron linears that get adapters: linear_qkv (q/k/v_proj), linear_proj (o_proj), linear_fc1 "
+        "(gate/up_proj), linear_fc2 (down_proj); in an MoE model linear_fc1/linear_fc2 adapt every expert",
+    )
+    init: Literal["kaiming", "gaussian"] = Field(
+        "kaiming", description="A's initialisation (B starts at 0): kaiming-uniform as peft's default, or "
+        "gaussian N(0, 1/rank)"
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _no_repeats(cls, targets: list[str]) -> list[str]:
+        repeated = sorted({name for name in targets if targets.count(name) > 1})
+        if repeated:
+            raise ValueError(f"each module at most once (repeated: {repeated})")
+        return targets
 
 
 class ActorConfig(Section):
@@ -157,6 +230,10 @@ class ActorConfig(Section):
     kl_loss_type: KLPenalty = Field("low_var_kl", description="KL estimator used in the actor loss")
     logprob_micro_batch_size: PositiveInt | None = Field(
         None, description="samples per rank for log-prob forwards; null = ppo_micro_batch_size"
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train LoRA adapters on a frozen base instead of every weight; the reference policy is "
+        "then the actor with its adapters off (no reference engine runs); null = full fine-tuning"
     )
 
 

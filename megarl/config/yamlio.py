@@ -4,8 +4,9 @@ Two departures from PyYAML's YAML 1.1 defaults, both to stop silent surprises:
 `1e-5` is a float (YAML 1.1 wants `1.0e-5` and would hand back a string), and
 a key repeated in one mapping is an error instead of "last one wins".
 
-And two bounds, so a hostile or broken file cannot hang `megarl validate`: a
-recipe file is at most `MAX_RECIPE_BYTES`, and its document may expand to at most
+And bounds, so a hostile or broken file cannot hang `megarl validate`: a recipe is
+a regular file (not a FIFO or a device), of which at most `MAX_RECIPE_BYTES` are
+read whatever `stat` says, and its document may expand to at most
 `MAX_EXPANDED_NODES` nodes once aliases are followed (anchors are fine; a
 "billion laughs" of nested aliases is refused before anything is copied).
 """
@@ -19,6 +20,7 @@ from typing import Any
 import yaml
 
 from megarl.errors import InputError
+from megarl.userfiles import file_problem, read_bounded
 
 MAX_RECIPE_BYTES = 1 << 20
 MAX_EXPANDED_NODES = 100_000
@@ -104,15 +106,16 @@ def _load_bounded(text: str) -> Any:
 
 def read_yaml_file(path: Path) -> dict[str, Any]:
     """The top-level mapping of a recipe file; InputError naming the file (and line) on any problem."""
+    problem = file_problem(path)
+    if problem == "no such file":
+        raise InputError(f"{path}: recipe file not found")
+    if problem is not None:  # a FIFO would block and /dev/zero never end
+        raise InputError(f"{path}: {problem.replace('a regular file', 'a recipe file')}")
     try:
-        if path.stat().st_size > MAX_RECIPE_BYTES:
-            raise InputError(f"{path}: a recipe file may be at most {MAX_RECIPE_BYTES} bytes "
-                             f"(got {path.stat().st_size})")
-        text = path.read_text()
-    except FileNotFoundError:
-        raise InputError(f"{path}: recipe file not found") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, not a recipe file") from None
+        text = read_bounded(path, MAX_RECIPE_BYTES).decode()
+    except InputError:
+        raise InputError(f"{path}: a recipe file may be at most {MAX_RECIPE_BYTES} bytes "
+                         f"(got {path.stat().st_size})") from None
     except (OSError, UnicodeDecodeError) as error:
         raise InputError(f"{path}: cannot read recipe file: {error}") from None
     try:

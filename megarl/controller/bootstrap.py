@@ -6,6 +6,7 @@ no scorer) surface here as `InputError`, before Ray or any engine is started.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,14 +17,16 @@ import torch
 from megarl import atomic
 from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Recipe
+from megarl.config.schema import read_hf_config
 from megarl.data.dataset import PromptLoader, RLDataset
-from megarl.data.random_digits import write_random_digits_dataset
-from megarl.data.synthetic import write_arithmetic_dataset
+from megarl.data.random_digits import random_digits_splits
+from megarl.data.rows import write_rows
+from megarl.data.synthetic import arithmetic_splits
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardManager, reward_metrics
-from megarl.rewards.registry import build_scorers, check_data_sources
+from megarl.rewards.registry import build_scorers, check_data_sources, ground_truth_checks
 
 
 @dataclass
@@ -44,28 +47,85 @@ class RunData:
         return (Batch.from_dict(next(loader)) for _ in range(loader.batches_per_epoch))
 
 
+def _generated_splits(recipe: Recipe, tokenizer) -> dict[str, list[dict]]:
+    data, synth = recipe.data, recipe.data.synthetic
+    if synth.task == "random_digits":
+        return random_digits_splits(num_train=synth.num_train, num_val=synth.num_val, seed=synth.seed,
+                                    prompt_length=synth.prompt_length or data.max_prompt_length, tokenizer=tokenizer)
+    return arithmetic_splits(synth.num_train, synth.num_val, synth.seed, synth.max_operand)
+
+
+def build_datasets(recipe: Recipe, tokenizer) -> tuple[RLDataset, RLDataset | None, dict[str, list[dict]]]:
+    """The training and validation prompts exactly as a run sees them (files read and checked row by row, or
+    the synthetic task generated; prompts over data.max_prompt_length dropped), and the generated splits to write.
+    `megarl validate` builds them too, so what it accepts a run accepts."""
+    data = recipe.data
+    common = dict(max_prompt_length=data.max_prompt_length, prompt_key=data.prompt_key)
+    if data.synthetic is not None:
+        generated = _generated_splits(recipe, tokenizer)
+        train, val = (RLDataset(generated[split], tokenizer, source="data.synthetic", **common)
+                      if generated.get(split) else None for split in ("train", "test"))
+        return train, val, generated
+    checks = ground_truth_checks(recipe.reward.scorers)
+    datasets, problems = {}, []
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        try:
+            datasets[key] = (RLDataset.from_files(files, tokenizer, ground_truth_checks=checks, **common)
+                             if files else None)
+        except InputError as error:
+            problems += [f"{key}: {problem}" for problem in error.problems]
+    if problems:
+        raise InputError(problems)
+    return datasets["data.train_files"], datasets["data.val_files"], {}
+
+
+def dataset_size_problems(recipe: Recipe, train: RLDataset, val: RLDataset | None) -> list[str]:
+    """Batches the prompts that fit data.max_prompt_length cannot fill (a run's data loaders would refuse them)."""
+    data, problems = recipe.data, []
+    for key, dataset in (("data.train_files", train), ("data.val_files", val)):
+        if dataset is not None and dataset.num_rows == 0:
+            problems.append(f"{key}: the files hold no prompts (got {getattr(data, key.split('.')[1])})")
+    if problems:
+        return problems
+    fit = f"{len(train)} of the {train.num_rows} training prompts fit data.max_prompt_length = {data.max_prompt_length}"
+    batches = [("data.train_batch_size", data.train_batch_size)]
+    if recipe.sft_warmup.steps:
+        batches.append(("sft_warmup.batch_size", recipe.sft_warmup.batch_size))
+    for key, batch in batches:
+        if len(train) < batch:
+            problems.append(f"{key}: more than the prompts a step can draw: {fit} (got {batch})")
+    if val is not None and len(val) == 0:
+        problems.append(f"data.max_prompt_length: none of the {val.num_rows} validation prompts fits "
+                        f"(got {data.max_prompt_length})")
+    return problems
+
+
+def vocabulary_problems(recipe: Recipe, tokenizer) -> list[str]:
+    """A model whose embedding has fewer rows than the tokenizer has ids would index past it."""
+    size, problems = len(tokenizer), []
+    configs = [("model.config.vocab_size" if recipe.model.path is None else "model.path", recipe.model.hf_config)]
+    if recipe.critic is not None and recipe.critic.model_path is not None:
+        critic_path = recipe.critic.model_path
+        configs.append(("critic.model_path", functools.partial(read_hf_config, critic_path, key="critic.model_path")))
+    for key, read_config in configs:
+        vocab = read_config().get("vocab_size")
+        if isinstance(vocab, int) and vocab < size:
+            where = key if key.endswith("vocab_size") else f"{key}: config.json vocab_size"
+            problems.append(f"{where}: smaller than the {size} ids of the tokenizer {recipe.model.tokenizer!r} "
+                            f"(got {vocab})")
+    return problems
+
+
 def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
     data = recipe.data
     tokenizer = load_tokenizer(recipe.model.tokenizer)
-    train_files, val_files = list(data.train_files), list(data.val_files)
-    if not train_files and data.synthetic is not None:
-        synth = data.synthetic
-        if synth.task == "random_digits":
-            train_path, val_path = write_random_digits_dataset(
-                run_dir / "data", num_train=synth.num_train, num_val=synth.num_val, seed=synth.seed,
-                prompt_length=synth.prompt_length or data.max_prompt_length, tokenizer=tokenizer,
-            )
-        else:
-            train_path, val_path = write_arithmetic_dataset(
-                run_dir / "data", synth.num_train, synth.num_val, synth.seed, synth.max_operand
-            )
-        train_files, val_files = [str(train_path)], [str(val_path)] if val_path else []
-    train_dataset = RLDataset(train_files, tokenizer, max_prompt_length=data.max_prompt_length,
-                              prompt_key=data.prompt_key)
-    val_dataset = (
-        RLDataset(val_files, tokenizer, max_prompt_length=data.max_prompt_length, prompt_key=data.prompt_key)
-        if val_files else None
-    )
+    train_dataset, val_dataset, generated = build_datasets(recipe, tokenizer)
+    problems = vocabulary_problems(recipe, tokenizer) + dataset_size_problems(recipe, train_dataset, val_dataset)
+    if problems:
+        raise InputError(problems)
+    if generated:  # kept with the run: the data set it trained on
+        atomic.write_files({run_dir / "data" / f"{split}.parquet": functools.partial(write_rows, rows)
+                            for split, rows in generated.items()})
     reward = recipe.reward
     scorers = build_scorers(reward.scorers, gsm8k_method=reward.gsm8k_method, format_score=reward.format_score,
                             score=reward.score)

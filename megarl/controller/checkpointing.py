@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megarl import atomic
+from megarl.cluster.engine_worker import MegatronWorker
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-step_"
@@ -152,16 +153,16 @@ def save_step(roles, run_dir: Path, *, step: int, controller_state: dict, recipe
         shutil.rmtree(tmp)
     tmp.mkdir()
     previous = complete_steps(run_dir)
-    roles.actor.group.run("save_checkpoint", str(tmp / "actor"), weights_only=weights_only)
+    roles.actor.group.run(MegatronWorker.save_checkpoint, str(tmp / "actor"), weights_only=weights_only)
     saved_roles = ["actor"]
     if roles.critic is not None:
-        roles.critic.group.run("save_checkpoint", str(tmp / "critic"), weights_only=weights_only)
+        roles.critic.group.run(MegatronWorker.save_checkpoint, str(tmp / "critic"), weights_only=weights_only)
         saved_roles.append("critic")
     reused: dict[str, str] = {}
     if roles.reference is not None:
         source = next((c for c in reversed(previous) if "reference" in c.roles), None)
         if source is None:
-            roles.reference.group.run("save_checkpoint", str(tmp / "reference"))
+            roles.reference.group.run(MegatronWorker.save_checkpoint, str(tmp / "reference"))
         else:
             _link_tree(source.path / "reference", tmp / "reference")
             reused = {name: digest for name, digest in source.marker["files"].items()
@@ -191,8 +192,8 @@ def save_step(roles, run_dir: Path, *, step: int, controller_state: dict, recipe
 def load_step(roles, checkpoint: StepCheckpoint) -> None:
     """Load every role's engines from `checkpoint` (optimizers too unless it was saved weights-only)."""
     with_optimizer = not checkpoint.weights_only
-    roles.actor.group.run("load_checkpoint", str(checkpoint.path / "actor"), load_optimizer=with_optimizer)
+    roles.actor.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "actor"), load_optimizer=with_optimizer)
     if roles.critic is not None:
-        roles.critic.group.run("load_checkpoint", str(checkpoint.path / "critic"), load_optimizer=with_optimizer)
+        roles.critic.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "critic"), load_optimizer=with_optimizer)
     if roles.reference is not None:
-        roles.reference.group.run("load_checkpoint", str(checkpoint.path / "reference"), load_optimizer=False)
+        roles.reference.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "reference"), load_optimizer=False)

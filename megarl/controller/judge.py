@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from megarl.config.settings import SamplingSettings
 from megarl.data.padding import left_pad, position_ids_from_mask
 from megarl.protocol import Batch
 from megarl.rewards.judge import Verdicts, judge_message, read_verdicts
@@ -19,10 +20,10 @@ from megarl.rewards.judge import Verdicts, judge_message, read_verdicts
 
 class JudgeScorer:
     def __init__(self, fleet: Any, tokenizer: Any, *, template: str, parser: str, score_range: tuple[float, float],
-                 fail_score: float, temperature: float):
+                 fail_score: float, sampling: SamplingSettings):
         self.fleet, self.tokenizer = fleet, tokenizer
         self.template, self.parser = template, parser
-        self.score_range, self.fail_score, self.temperature = tuple(score_range), fail_score, temperature
+        self.score_range, self.fail_score, self.sampling = tuple(score_range), fail_score, sampling
 
     def score(self, *, messages: Sequence[list[dict]], responses: Sequence[str], ground_truths: Sequence[Any],
               data_sources: Sequence[str]) -> Verdicts:
@@ -39,7 +40,7 @@ class JudgeScorer:
         input_ids, attention_mask = left_pad(ids, pad)
         prompts = Batch.from_dict({"input_ids": input_ids, "attention_mask": attention_mask,
                                    "position_ids": position_ids_from_mask(attention_mask)})
-        out = self.fleet.generate(prompts, temperature=self.temperature, seed=0)
+        out = self.fleet.generate(prompts, self.sampling, seed=0)
         lengths = out["attention_mask"][:, input_ids.shape[1]:].sum(-1).tolist()
         verdicts = self.tokenizer.batch_decode([row[:n].tolist() for row, n in zip(out["responses"], lengths)],
                                                skip_special_tokens=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from megarl.config import Recipe, dump_recipe
+from megarl.config.settings import SamplingSettings
 from megarl.controller import run_state
 from megarl.controller.checkpointing import StepCheckpoint, save_step
 from megarl.controller.preemption import Preempted, Preemption
@@ -33,9 +34,11 @@ logger = logging.getLogger(__name__)
 
 class StepLoop:
     def __init__(self, recipe: Recipe, *, run_dir: Path, trainer: Trainer, roles: Roles, data, tracker: Tracker,
-                 preemption: Preemption, newest: StepCheckpoint | None):
+                 preemption: Preemption, newest: StepCheckpoint | None, val_sampling: SamplingSettings):
+        """`val_sampling`: how validation samples (`config.settings.validation_sampling`)."""
         self.recipe, self.run_dir, self.trainer, self.roles = recipe, run_dir, trainer, roles
         self.data, self.tracker, self.preemption, self.newest = data, tracker, preemption, newest
+        self.val_sampling = val_sampling
 
     def run(self, start_step: int) -> None:
         """Steps `start_step + 1 .. trainer.total_steps` (numbered from 1, as logged)."""
@@ -91,7 +94,7 @@ class StepLoop:
     def _validate(self, step: int) -> dict[str, float]:
         try:
             metrics, rows = validate(self.data.val_batches(), generate=self.roles.rollout.generate,
-                                     reward_fn=self.data.reward_fn, temperature=self.recipe.rollout.val_temperature,
+                                     reward_fn=self.data.reward_fn, sampling=self.val_sampling,
                                      tokenizer=self.data.tokenizer, sample_rows=self.recipe.trainer.samples.val_rows)
         except GenerationInterrupted:
             self.tracker.message(f"stop requested: validation at step {step} skipped")

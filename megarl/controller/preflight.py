@@ -11,41 +11,66 @@ created and written, with room to spare, and stays inside `trainer.output_dir`.
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from megarl.config import Recipe
-from megarl.data import random_digits, synthetic
+from megarl.controller.bootstrap import build_datasets, dataset_size_problems, vocabulary_problems
 from megarl.data.dataset import read_prompt_rows
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
-from megarl.rewards.registry import build_scorers, check_data_sources
+from megarl.userfiles import directory_problem, file_problem, special_entries
+from megarl.rewards.registry import build_scorers, check_data_sources, ground_truth_checks
 
 # A run writes initial weights, data, logs and checkpoints: below this much free space it will not get far.
 MIN_FREE_BYTES = 256 << 20
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-SYNTHETIC_SOURCES = {"addition": synthetic.DATA_SOURCE, "random_digits": random_digits.DATA_SOURCE}
+_FIELD = re.compile(r"for field '(\w+)'")
 
 
 def _checkpoint_problems(key: str, path: str | None) -> list[str]:
-    """A model dir must hold config.json and safetensors weights."""
+    """A model dir must be a directory holding a regular config.json and safetensors weights (no FIFO or device:
+    reading one would block or never end)."""
     if path is None:
         return []
     where = Path(path).expanduser()
-    if not where.is_dir():
-        return [f"{key}: no such directory (got {path!r})"]
-    problems = []
-    if not (where / "config.json").is_file():
+    problem = directory_problem(where)
+    if problem is not None:
+        return [f"{key}: {problem} (got {path!r})"]
+    problems = [f"{key}: {problem} (got {path!r})" for problem in special_entries(where)]
+    if file_problem(where / "config.json") == "no such file":
         problems.append(f"{key}: {where / 'config.json'} not found (got {path!r})")
     if not any((where / name).is_file() for name in WEIGHT_FILES):
         problems.append(f"{key}: {where} holds neither {' nor '.join(WEIGHT_FILES)} (got {path!r})")
     return problems
 
 
+def _transformers_problems(key: str, config: dict) -> list[str]:
+    """transformers' own reading of an HF config (it types every field strictly: `rms_norm_eps: 1` is refused
+    for not being a float); one line naming the field when it refuses."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.for_model(**config)
+    except Exception as error:  # noqa: BLE001 - transformers raises TypeError, ValueError and its own errors
+        lines = str(error).strip().splitlines()
+        field = _FIELD.search(lines[0]) if lines else None
+        where = f"{key}.{field.group(1)}" if field and key == "model.config" else key
+        got = config.get(field.group(1)) if field else config.get("model_type")
+        detail = lines[-1].strip() if lines else type(error).__name__
+        return [f"{where}: transformers cannot build this config: {detail} (got {got!r})"]
+    return []
+
+
 def check_checkpoints(recipe: Recipe) -> list[str]:
-    """The model, critic, reward-model and judge checkpoints `megarl train` will read."""
+    """The model, critic, reward-model and judge checkpoints `megarl train` will read, and the policy's HF config
+    as transformers reads it (the rollout servers and the initial weights go through it)."""
     problems = _checkpoint_problems("model.path", recipe.model.path)
+    if not problems:
+        problems += _transformers_problems("model.config" if recipe.model.path is None else "model.path",
+                                           recipe.model.hf_config())
     if recipe.critic is not None:
         problems += _checkpoint_problems("critic.model_path", recipe.critic.model_path)
     if recipe.reward_model is not None:
@@ -75,27 +100,36 @@ def check_inputs(recipe: Recipe) -> list[str]:
     """Every problem with the files `recipe` names (one line each); empty when a run can start."""
     problems = check_checkpoints(recipe)
     try:
-        load_tokenizer(recipe.model.tokenizer)
+        tokenizer = load_tokenizer(recipe.model.tokenizer)
     except InputError as error:
         problems += [f"model.tokenizer: {problem}" for problem in error.problems]
+        tokenizer = None
+    if tokenizer is not None and not problems:
+        problems += vocabulary_problems(recipe, tokenizer)
     try:
-        _check_data(recipe)
+        _check_data(recipe, tokenizer)
     except InputError as error:
         problems += error.problems
     return InputError(problems).problems  # one line each, whatever the paths hold
 
 
-def _check_data(recipe: Recipe) -> None:
+def _check_data(recipe: Recipe, tokenizer) -> None:
+    """The data sets as a run builds them (or, without a tokenizer, the rows of the data files)."""
     data, reward = recipe.data, recipe.reward
-    sources: set[str] = {SYNTHETIC_SOURCES[data.synthetic.task]} if data.synthetic is not None else set()
-    problems = []
-    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
-        try:
-            rows = read_prompt_rows([Path(file).expanduser() for file in files], data.prompt_key) if files else []
-        except InputError as error:
-            problems += [f"{key}: {problem}" for problem in error.problems]
-            continue
-        sources |= {row["data_source"] for row in rows}
+    if tokenizer is not None:
+        train, val, _ = build_datasets(recipe, tokenizer)
+        problems = dataset_size_problems(recipe, train, val)
+        sources = set(train.data_sources) | (set(val.data_sources) if val is not None else set())
+    else:
+        problems, sources = [], set()
+        checks = ground_truth_checks(reward.scorers)
+        for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+            try:
+                rows = read_prompt_rows([Path(file).expanduser() for file in files], data.prompt_key, checks)
+            except InputError as error:
+                problems += [f"{key}: {problem}" for problem in error.problems]
+                continue
+            sources |= {row["data_source"] for row in rows}
     if problems:
         raise InputError(problems)
     scorers = build_scorers(reward.scorers, gsm8k_method=reward.gsm8k_method, format_score=reward.format_score,

@@ -11,6 +11,11 @@ what is left (the last partial RM batch, slow remote rows), combines the rule an
 model-side scores (`reward.combine`), puts `rm_scores` and `token_level_scores` into
 the batch at the last valid response token, and returns the reward metrics.
 
+A remote row that still fails after its retries fails the step, or with
+`reward.remote.on_failure: drop` leaves its group: it stays in the batch as a
+placeholder without response tokens (no loss, no baseline), marked in `dropped`, and
+counts in `reward/remote_failed`.
+
 `busy_seconds` is the wall time during which any scoring work was in progress, over
 the whole step: the step loop logs it as `timing_s/reward_total`, while
 `timing_s/reward` times `finish` alone, the part that did not overlap generation.
@@ -33,7 +38,7 @@ from megarl.algorithms.metrics import rm_score_metrics
 from megarl.protocol import Batch
 from megarl.rewards.combine import combine_scores
 from megarl.rewards.manager import at_last_token
-from megarl.rewards.remote import RemoteRewardClient, collect_scores
+from megarl.rewards.remote import RemoteRewardClient, RemoteRewardError, gather_scores
 from megarl.rollout.batching import prompt_token_lists
 
 logger = logging.getLogger(__name__)
@@ -81,6 +86,7 @@ class ModelSide:
     batch_rows: int | None = None
     judge: Any = None  # megarl.controller.judge.JudgeScorer
     remote: RemoteRewardClient | None = None
+    remote_on_failure: str = "fail"  # reward.remote.on_failure: "fail" the step or "drop" the row
 
 
 class RewardLoop:
@@ -207,6 +213,22 @@ class ScoringRun:
 
     # ---- the reward phase ------------------------------------------------------------------------
 
+    def _remote_scores(self) -> np.ndarray:
+        """The remote scores into `model`; the generation rows whose request failed (bool [B]). Failures fail the
+        step (RemoteRewardError naming every row) unless `reward.remote.on_failure` is drop."""
+        order = sorted(self._remote)
+        scores, failures = gather_scores([self._remote[row] for row in order])
+        if failures and self.loop.model_side.remote_on_failure == "fail":
+            raise RemoteRewardError(failures)
+        if failures:
+            uid, sample, error = failures[0]
+            logger.warning("remote reward: %d row(s) failed and leave their groups (reward.remote.on_failure: "
+                           "drop); first: uid %s sample %d: %s", len(failures), uid, sample, error)
+        self.model[order] = scores
+        dropped = np.zeros(len(self.model), dtype=bool)
+        dropped[order] = np.isnan(scores)
+        return dropped
+
     def _wait(self) -> None:
         """Until every queued task (and the tasks they queue) has finished; re-raises the first failure."""
         while True:
@@ -231,26 +253,39 @@ class ScoringRun:
         missing = [row for row, ids in enumerate(self.response_ids) if ids is None]
         if missing:
             raise RuntimeError(f"rows {missing[:8]} were never handed to the reward loop")
-        if side.remote is not None:
-            order = sorted(self._remote)
-            self.model[order] = collect_scores([self._remote_request(r) for r in order],
-                                               [self._remote[r] for r in order])
+        dropped = self._remote_scores() if side.remote is not None else np.zeros(len(self.rule), dtype=bool)
         has_model = side.reward_model is not None or side.judge is not None or side.remote is not None
         rows = np.asarray(rows)
+        gone = torch.as_tensor(dropped[rows])
         rule = torch.as_tensor(self.rule[rows], dtype=torch.float32)
-        model = torch.as_tensor(self.model[rows], dtype=torch.float32) if has_model else None
+        model = torch.as_tensor(np.where(dropped, 0.0, self.model)[rows], dtype=torch.float32) if has_model else None
         reward = combine_scores(self.loop.combine, rule=rule, rm=model, options=self.loop.combine_options)
+        metrics = {"reward/scorer_failed": int(self.rule_failed.sum())}
+        if side.remote is not None:
+            batch = _leave_groups(batch, gone)
+            metrics["reward/remote_failed"] = int(dropped.sum())
         mask = batch["response_mask"]
-        batch["token_level_scores"] = at_last_token(reward, mask)
+        batch["token_level_scores"] = at_last_token(reward.masked_fill(gone, 0.0), mask)
         if model is not None:
             batch["rm_scores"] = at_last_token(model, mask)
-        metrics = {"reward/scorer_failed": int(self.rule_failed.sum())}
-        if model is not None:
-            metrics.update(rm_score_metrics(model, rule, mask.sum(-1) > 0))
+            metrics.update(rm_score_metrics(model, rule, (mask.sum(-1) > 0) & ~gone))
         if side.judge is not None:
             metrics["reward/judge_parse_fail"] = int(self.judge_failed.sum())
             _warn_parse_failures(self.judge_failed, self.verdicts)
         return batch, metrics
+
+
+def _leave_groups(batch: Batch, gone: torch.Tensor) -> Batch:
+    """Rows `gone` (bool [B]) stay in the batch as placeholders, so every DP shard and mini-batch keeps its size:
+    no response token (no loss, counted in no token or sequence total), a uid of their own (no group's baseline
+    sees them) and `dropped` (bool [B]) set, which the step's metrics skip."""
+    batch["response_mask"] = batch["response_mask"].masked_fill(gone.unsqueeze(-1), 0)
+    uids = np.array(batch["uid"], dtype=object)
+    for row in np.flatnonzero(gone.numpy()):
+        uids[row] = f"{uids[row]}/dropped-{row}"
+    batch["uid"] = uids
+    batch["dropped"] = gone
+    return batch
 
 
 def _warn_parse_failures(failed: np.ndarray, texts: Sequence[str | None]) -> None:

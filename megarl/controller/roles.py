@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from megarl.algorithms.metrics import entropy_metric
+from megarl.cluster.engine_worker import MegatronWorker
 from megarl.cluster.memory import MemoryCycle, peak_memory_metrics
 from megarl.cluster.worker_group import WorkerGroup, mean_metrics
 from megarl.config.settings import (
@@ -43,7 +44,7 @@ class PolicyRole:
         return self.group.dp_size
 
     def _log_probs(self, batch: Batch, *, key: str, temperature: float, with_entropy: bool) -> Batch:
-        shards = self.group.dispatch_dp("compute_log_prob", batch.select(list(INPUT_KEYS)), key=key,
+        shards = self.group.dispatch_dp(MegatronWorker.compute_log_prob, batch.select(list(INPUT_KEYS)), key=key,
                                         temperature=temperature, with_entropy=with_entropy, batching=self.batching)
         return Batch.concat(shards)
 
@@ -61,19 +62,19 @@ class PolicyRole:
 
     def update(self, batch: Batch) -> dict[str, float]:
         keys = list(UPDATE_KEYS) + (["ref_log_prob"] if self.update_settings.loss.use_kl_loss else [])
-        return mean_metrics(self.group.dispatch_dp("update", batch.select(keys), settings=self.update_settings))
+        return mean_metrics(self.group.dispatch_dp(MegatronWorker.update, batch.select(keys), settings=self.update_settings))
 
     def sft(self, batch: Batch, *, batching: Batching, lr: float) -> dict[str, float]:
-        return mean_metrics(self.group.dispatch_dp("sft_step", batch, batching=batching, lr=lr))
+        return mean_metrics(self.group.dispatch_dp(MegatronWorker.sft_step, batch, batching=batching, lr=lr))
 
     def reset_optimizer_state(self) -> None:
-        self.group.run("reset_optimizer_state")
+        self.group.run(MegatronWorker.reset_optimizer_state)
 
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
                      devices: list[list[str]] | None = None) -> dict[str, float]:
         """Weight sync to `urls` through `settings.transport` (`devices`: the servers' GPU UUIDs, see
         `RolloutFleet.server_devices`); the metrics of trainer rank 0."""
-        results = self.group.run("push_weights", urls=urls, api_key=api_key, version=version, settings=settings,
+        results = self.group.run(MegatronWorker.push_weights, urls=urls, api_key=api_key, version=version, settings=settings,
                                  devices=devices)
         return next(result for result in results if result is not None)
 
@@ -87,14 +88,14 @@ class CriticRole:
 
     def compute_values(self, batch: Batch) -> Batch:
         """Adds `values` [B, R]: V of the state before each response token."""
-        shards = self.group.dispatch_dp("compute_values", batch.select(list(INPUT_KEYS)),
+        shards = self.group.dispatch_dp(MegatronWorker.compute_values, batch.select(list(INPUT_KEYS)),
                                         batching=self.update_settings.batching)
         batch["values"] = Batch.concat(shards)["values"]
         return batch
 
     def update(self, batch: Batch) -> dict[str, float]:
         """critic/{vf_loss, vf_clipfrac, grad_norm, lr}, averaged over DP ranks."""
-        per_rank = self.group.dispatch_dp("update", batch.select(list(CRITIC_UPDATE_KEYS)),
+        per_rank = self.group.dispatch_dp(MegatronWorker.update, batch.select(list(CRITIC_UPDATE_KEYS)),
                                           settings=self.update_settings)
         return mean_metrics(per_rank)
 
@@ -111,12 +112,12 @@ class RewardModelRole:
         batch, size = Batch.from_dict(rows), len(rows["input_ids"])
         if size < self.group.dp_size:  # every DP rank needs a row: pad with copies, drop their scores
             batch = Batch.concat([batch, *[batch[0:1]] * (self.group.dp_size - size)])
-        shards = self.group.dispatch_dp("compute_scores", batch, batching=self.batching)
+        shards = self.group.dispatch_dp(MegatronWorker.compute_scores, batch, batching=self.batching)
         return Batch.concat(shards)["scores"][:size]
 
     def update(self, pairs: Batch, settings: PreferenceUpdateSettings) -> dict[str, float]:
         """rm/{loss, accuracy, margin, grad_norm, lr} of one update on `pairs` (chosen_* and rejected_* rows)."""
-        return mean_metrics(self.group.dispatch_dp("update", pairs, settings=settings))
+        return mean_metrics(self.group.dispatch_dp(MegatronWorker.update, pairs, settings=settings))
 
 
 @dataclass

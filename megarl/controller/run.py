@@ -13,12 +13,13 @@ import secrets
 import shutil
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from megarl import atomic
-from megarl.cluster.engine_worker import start_engine_group
-from megarl.cluster.fleet import sleeps_between_phases, start_rollout_fleet
+from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
+from megarl.cluster.fleet import start_fleet
 from megarl.cluster.memory import MemoryCycle
 from megarl.cluster.placement import plan_pools, total_devices
 from megarl.cluster.ray_cluster import ray_for_run
@@ -26,9 +27,15 @@ from megarl.cluster.worker_group import WorkerGroup
 from megarl.config import Recipe, dump_recipe
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
+    SamplingSettings,
+    engine_settings,
     logprob_batching,
-    optimizer_settings,
     policy_update_settings,
+    rollout_fleet_settings,
+    rollout_sampling,
+    sleeps_between_phases,
+    step_settings,
+    validation_sampling,
     value_update_settings,
     weight_sync_settings,
 )
@@ -42,82 +49,118 @@ from megarl.controller.resume import resume_or_start
 from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
 from megarl.controller.sft import run_sft_warmup
-from megarl.controller.step import StepSettings, Trainer
+from megarl.controller.step import Trainer
 from megarl.errors import InputError
+from megarl.rollout import RolloutFleet
 from megarl.tracking.tracker import Tracker, controller_log
 from megarl.tracking.wandb_sink import WandbSink
 
 
-def _engine_group(recipe: Recipe, pool, *, name: str, kind: str, parallel, hf_config: dict, weights: Path,
-                  optimizer, log_dir: Path) -> WorkerGroup:
-    """`pool.world_size` ranks hosting one engine of `kind` ("policy" or "value")."""
-    return start_engine_group(pool, name=name, kind=kind, parallel=parallel.model_dump(), hf_config=hf_config,
-                              weights=str(weights), seed=recipe.seed, params_dtype=recipe.model.dtype,
-                              transformer_impl=recipe.model.transformer_impl, optimizer=optimizer, log_dir=log_dir)
+def _engine_group(recipe: Recipe, role: str, pool, *, hf_config: dict, weights: Path, log_dir: Path) -> WorkerGroup:
+    """`pool.world_size` ranks hosting the engine of `role` (`engine_settings`), named after the role."""
+    return start_engine_group(pool, name=role, settings=engine_settings(recipe, role), hf_config=hf_config,
+                              weights=str(weights), log_dir=log_dir)
 
 
-def _start_roles(recipe: Recipe, *, pools, weights: Path, data, run_dir: Path, tracker: Tracker,
-                 cleanup: ExitStack, resume_from: StepCheckpoint | None, preemption: Preemption) -> Roles:
-    """Worker groups, the SFT warm-up (fresh runs) or the checkpoint (resumed runs), the fleet and the first
-    weight sync; registers their teardown."""
-    for pool in set(pools.values()):
-        cleanup.callback(pool.release)
-    hf_config, log_dir = recipe.model.hf_config(), run_dir / "logs"
-    actor_group = _engine_group(recipe, pools["actor"], name="actor", kind="policy", parallel=recipe.actor.parallel,
-                                hf_config=hf_config, weights=weights, optimizer=optimizer_settings(recipe, "actor"),
+@dataclass(frozen=True)
+class _Engines:
+    """The run's engine groups: the actor, and the reference and the critic when the recipe has them."""
+
+    actor: PolicyRole
+    reference: PolicyRole | None
+    critic: CriticRole | None
+
+    def idle_groups(self) -> list[WorkerGroup]:
+        """The groups that sleep through generation and the weight sync (all but the actor's)."""
+        return [role.group for role in (self.reference, self.critic) if role is not None]
+
+
+def _start_engines(recipe: Recipe, *, pools, weights: Path, sampling: SamplingSettings, log_dir: Path,
+                   cleanup: ExitStack) -> _Engines:
+    """The actor, the reference and the critic on their pools, from the run's initial `weights` (a critic from
+    `critic.model_path` when it names a checkpoint); registers their teardown."""
+    hf_config = recipe.model.hf_config()
+    actor_group = _engine_group(recipe, "actor", pools["actor"], hf_config=hf_config, weights=weights,
                                 log_dir=log_dir)
     cleanup.callback(actor_group.kill)
-    actor = PolicyRole(actor_group, batching=logprob_batching(recipe), update=policy_update_settings(recipe))
+    actor = PolicyRole(actor_group, batching=logprob_batching(recipe),
+                       update=policy_update_settings(recipe, sampling=sampling))
     reference = None
     if "reference" in pools:
-        ref_group = _engine_group(recipe, pools["reference"], name="reference", kind="policy",
-                                  parallel=recipe.reference.parallel, hf_config=hf_config, weights=weights,
-                                  optimizer=None, log_dir=log_dir)
+        ref_group = _engine_group(recipe, "reference", pools["reference"], hf_config=hf_config, weights=weights,
+                                  log_dir=log_dir)
         cleanup.callback(ref_group.kill)
         reference = PolicyRole(ref_group, batching=logprob_batching(recipe))
     critic = None
     if recipe.critic is not None:
         critic_path = recipe.critic.model_path
         critic_group = _engine_group(
-            recipe, pools["critic"], name="critic", kind="value", parallel=recipe.critic.parallel,
+            recipe, "critic", pools["critic"],
             hf_config=read_hf_config(critic_path, key="critic.model_path") if critic_path else hf_config,
-            weights=Path(critic_path) if critic_path else weights, optimizer=optimizer_settings(recipe, "critic"),
-            log_dir=log_dir,
+            weights=Path(critic_path) if critic_path else weights, log_dir=log_dir,
         )
         cleanup.callback(critic_group.kill)
         critic = CriticRole(critic_group, update=value_update_settings(recipe))
-    if resume_from is None and recipe.sft_warmup.steps > 0:
-        run_sft_warmup(actor, data, recipe, tracker, stop_requested=lambda: preemption.requested)
-        if preemption.requested:
-            raise Preempted(None, None)
-        # The reference is the policy RL starts from: the warmed-up weights, not the initial ones;
-        # a critic without its own checkpoint starts from the same backbone.
-        followers = [reference.group] if reference is not None else []
-        if critic is not None and not recipe.critic.model_path:
-            followers.append(critic.group)
-        if followers:
-            # Through a weights-only checkpoint of the actor: every rank of a follower reads only its own
-            # shards, and no full copy of the model passes through this driver.
-            handoff = run_dir / "sft_handoff"
-            actor_group.run("save_checkpoint", str(handoff), weights_only=True)
-            for group in followers:
-                group.run("load_policy_checkpoint", str(handoff))
-            shutil.rmtree(handoff)
-    api_key = secrets.token_hex(16)
-    fleet = start_rollout_fleet(recipe, pool=pools["rollout"], weights=weights, tokenizer=data.tokenizer,
-                                api_key=api_key, log_dir=log_dir)
+    return _Engines(actor=actor, reference=reference, critic=critic)
+
+
+def _hand_off_sft(recipe: Recipe, engines: _Engines, *, data, run_dir: Path, tracker: Tracker,
+                  preemption: Preemption) -> None:
+    """A fresh run's SFT warm-up on the actor, then its weights to the engines that start where it ends: the
+    reference (the policy RL starts from) and a critic without a checkpoint of its own. Raises `Preempted`
+    when a stop came during the warm-up."""
+    run_sft_warmup(engines.actor, data, recipe, tracker, stop_requested=lambda: preemption.requested)
+    if preemption.requested:
+        raise Preempted(None, None)
+    followers = [engines.reference.group] if engines.reference is not None else []
+    if engines.critic is not None and not recipe.critic.model_path:
+        followers.append(engines.critic.group)
+    if followers:
+        # Through a weights-only checkpoint of the actor: every rank of a follower reads only its own
+        # shards, and no full copy of the model passes through this driver.
+        handoff = run_dir / "sft_handoff"
+        engines.actor.group.run(MegatronWorker.save_checkpoint, str(handoff), weights_only=True)
+        for group in followers:
+            group.run(MegatronWorker.load_policy_checkpoint, str(handoff))
+        shutil.rmtree(handoff)
+
+
+def _start_fleet(recipe: Recipe, actor: PolicyRole, *, pool, weights: Path, data, api_key: str, run_dir: Path,
+                 log_dir: Path, cleanup: ExitStack) -> RolloutFleet:
+    """The rollout fleet from the run's initial `weights`, with the actor as its weight source (a server it
+    restarts gets the actor's current weights); registers its teardown and the actor's leaving the servers'
+    weight-update groups before it."""
+    fleet = start_fleet(rollout_fleet_settings(recipe), pool=pool, weights=weights,
+                        pad_token_id=data.tokenizer.pad_token_id, api_key=api_key, log_dir=log_dir)
     cleanup.callback(fleet.shutdown)
-    # The fleet re-pushes the actor's current weights to a server it had to restart.
     fleet.set_weight_source(partial(actor.push_weights, api_key=api_key,
                                     settings=weight_sync_settings(recipe, run_dir)))
     # Registered after fleet.shutdown, so it runs first: leave the servers' broadcast groups.
-    cleanup.callback(actor_group.run, "close_weight_sync")
+    cleanup.callback(actor.group.run, MegatronWorker.close_weight_sync)
+    return fleet
+
+
+def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: SamplingSettings, run_dir: Path,
+                 tracker: Tracker, cleanup: ExitStack, resume_from: StepCheckpoint | None,
+                 preemption: Preemption) -> Roles:
+    """The engines, the SFT hand-off (fresh runs) or the checkpoint (resumed runs), the fleet, the reward loop
+    and the first weight sync; registers their teardown."""
+    for pool in set(pools.values()):
+        cleanup.callback(pool.release)
+    log_dir = run_dir / "logs"
+    engines = _start_engines(recipe, pools=pools, weights=weights, sampling=sampling, log_dir=log_dir,
+                             cleanup=cleanup)
+    if resume_from is None and recipe.sft_warmup.steps > 0:
+        _hand_off_sft(recipe, engines, data=data, run_dir=run_dir, tracker=tracker, preemption=preemption)
+    api_key = secrets.token_hex(16)  # the policy's fleet and the judge's
+    fleet = _start_fleet(recipe, engines.actor, pool=pools["rollout"], weights=weights, data=data, api_key=api_key,
+                         run_dir=run_dir, log_dir=log_dir, cleanup=cleanup)
     reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
                                api_key=api_key, run_dir=run_dir, cleanup=cleanup)
-    idle = [role.group for role in (reference, critic) if role is not None]
-    memory = MemoryCycle(fleet, actor=actor_group, idle_groups=idle, enabled=sleeps_between_phases(recipe))
-    roles = Roles(actor=actor, rollout=fleet, reward=reward, memory=memory, reference=reference, critic=critic,
-                  kl_ctrl=data.kl_ctrl)
+    memory = MemoryCycle(fleet, actor=engines.actor.group, idle_groups=engines.idle_groups(),
+                         enabled=sleeps_between_phases(recipe))
+    roles = Roles(actor=engines.actor, rollout=fleet, reward=reward, memory=memory, reference=engines.reference,
+                  critic=engines.critic, kl_ctrl=data.kl_ctrl)
     version = 0
     if resume_from is not None:
         load_step(roles, resume_from)
@@ -172,31 +215,16 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
         # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
         preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
         pools = plan_pools(recipe)
-        roles = _start_roles(recipe, pools=pools, weights=weights, data=data, run_dir=run_dir, tracker=tracker,
-                             cleanup=cleanup, resume_from=resume_from, preemption=preemption)
+        eos = data.tokenizer.eos_token_id
+        sampling = rollout_sampling(recipe, eos_token_id=eos)
+        roles = _start_roles(recipe, pools=pools, weights=weights, data=data, sampling=sampling, run_dir=run_dir,
+                             tracker=tracker, cleanup=cleanup, resume_from=resume_from, preemption=preemption)
         preemption.on_request(roles.rollout.stop_generating)
-        trainer = Trainer(roles, _step_settings(recipe, total_devices(pools)),
+        trainer = Trainer(roles, step_settings(recipe, sampling=sampling, num_devices=total_devices(pools)),
                           stop_requested=lambda: preemption.requested, on_phase=on_phase)
         loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
-                        preemption=preemption, newest=resume_from)
+                        preemption=preemption, newest=resume_from,
+                        val_sampling=validation_sampling(recipe, eos_token_id=eos))
         loop.run(start_step)
     return run_dir
 
-
-def _step_settings(recipe: Recipe, num_devices: int) -> StepSettings:
-    algo = recipe.algorithm
-    return StepSettings(
-        rollout_n=recipe.rollout.n,
-        temperature=recipe.rollout.temperature,
-        max_prompt_length=recipe.data.max_prompt_length,
-        max_response_length=recipe.data.max_response_length,
-        adv_estimator=algo.adv_estimator,
-        gamma=algo.gamma,
-        lam=algo.lam,
-        norm_adv_by_std=algo.norm_adv_by_std_in_grpo,
-        use_kl_in_reward=algo.use_kl_in_reward,
-        kl_penalty=algo.kl_penalty,
-        balance_batch=recipe.trainer.balance_batch,
-        critic_warmup=recipe.critic.warmup_steps if recipe.critic else 0,
-        num_devices=num_devices,
-    )

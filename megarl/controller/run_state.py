@@ -5,7 +5,7 @@ position (epoch, samples consumed, shuffle seed), the in-reward KL controller an
 controller process's RNG states (Python, NumPy, torch) as plain JSON; `restore` puts
 them back. The engines keep their own state in their checkpoints. The rollout servers
 keep none: every sample's seed is a pure function of the run seed, the step and the row
-(`megarl.rollout.dispatch.sample_seed`), so restoring the step restores them.
+(`megarl.rollout.sampling.sample_seed`), so restoring the step restores them.
 """
 
 from __future__ import annotations

@@ -19,12 +19,12 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 
 from megarl.algorithms.metrics import compute_data_metrics, compute_throughput_metrics, compute_timing_metrics
 from megarl.algorithms.metrics import rollout_logprob_diff
+from megarl.config.settings import StepSettings
 from megarl.controller import phases
 from megarl.controller.roles import Roles
 from megarl.protocol import Batch
@@ -38,25 +38,6 @@ ABANDONABLE = frozenset({"step", "gen", "reward", "old_log_prob", "ref", "values
 
 class StepAbandoned(Exception):
     """A stop was requested before the step's first update: its results are discarded."""
-
-
-@dataclass
-class StepSettings:
-    """The few per-step knobs the loop needs, resolved from the recipe once."""
-
-    rollout_n: int
-    temperature: float
-    max_prompt_length: int
-    max_response_length: int
-    adv_estimator: str
-    gamma: float
-    lam: float
-    norm_adv_by_std: bool
-    use_kl_in_reward: bool
-    kl_penalty: str
-    balance_batch: bool
-    critic_warmup: int
-    num_devices: int  # every device of the placement the run uses (perf/throughput is per device)
 
 
 class Trainer:
@@ -105,7 +86,7 @@ class Trainer:
             with self._timed("gen"):
                 # Rows are scored as soon as they are generated, while the others still generate.
                 scoring = r.reward.begin(batch, gen_batch)
-                rollout = r.rollout.generate(gen_batch, temperature=s.temperature, seed=step, on_rows=scoring.add)
+                rollout = r.rollout.generate(gen_batch, s.sampling, seed=step, on_rows=scoring.add)
             batch = phases.add_response_mask(batch.union(rollout))
             order = np.arange(len(batch))  # the generation row of each batch row
             if s.balance_batch:
@@ -116,10 +97,10 @@ class Trainer:
                 batch, reward_metrics = scoring.finish(batch, rows=order)
             self.timings["reward_total"] = scoring.busy_seconds
             with self._timed("old_log_prob"):
-                batch, entropy_metrics = r.actor.compute_log_prob(batch, temperature=s.temperature)
+                batch, entropy_metrics = r.actor.compute_log_prob(batch, temperature=s.sampling.temperature)
             if r.reference is not None:
                 with self._timed("ref"):
-                    batch = r.reference.compute_ref_log_prob(batch, temperature=s.temperature)
+                    batch = r.reference.compute_ref_log_prob(batch, temperature=s.sampling.temperature)
             if r.critic is not None:
                 with self._timed("values"):
                     batch = r.critic.compute_values(batch)
@@ -163,6 +144,7 @@ class Trainer:
             max_response_length=self.settings.max_response_length,
             max_prompt_length=self.settings.max_prompt_length,
             values=batch["values"] if "values" in batch else None,
+            kept=~batch["dropped"] if "dropped" in batch else None,  # rows a failed remote reward dropped
         )
         metrics["rollout/logprob_diff"] = float(
             rollout_logprob_diff(batch["rollout_log_probs"], batch["old_log_probs"], mask)

@@ -8,6 +8,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from megarl.config.settings import SamplingSettings
 from megarl.controller import phases
 from megarl.controller.samples import decode_rows
 from megarl.protocol import Batch
@@ -18,18 +19,19 @@ def validate(
     *,
     generate: Callable[..., Batch],
     reward_fn: Callable[[Batch], tuple[torch.Tensor, dict]],
-    temperature: float,
+    sampling: SamplingSettings,
     tokenizer,
     sample_rows: int,
 ) -> tuple[dict[str, float], list[dict]]:
-    """Generate once per prompt at `temperature` (0 = greedy) and average the outcome scores per data source.
+    """Generate once per prompt with `sampling` (greedy at temperature 0) and average the outcome scores per data
+    source.
 
     Returns the metrics and the first `sample_rows` rows decoded (`samples.decode_rows`).
     """
     per_source: dict[str, list[float]] = defaultdict(list)
     samples: list[dict] = []
     for batch in batches:
-        rollout = generate(phases.split_generation_batch(batch), temperature=temperature, seed=0)
+        rollout = generate(phases.split_generation_batch(batch), sampling, seed=0)
         batch = phases.add_response_mask(batch.union(rollout))
         scores, _ = reward_fn(batch)
         outcome = scores.sum(-1)

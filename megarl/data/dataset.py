@@ -9,7 +9,7 @@ from `state_dict()` sees exactly the batches an uninterrupted run would.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,11 @@ def _message_problem(messages: Any) -> str | None:
     return None
 
 
-def _row_problems(row: dict, prompt_key: str) -> list[str]:
+# data_source -> check of one ground truth (None when it is usable, else what is wrong with it).
+GroundTruthChecks = Mapping[str, Callable[[Any], "str | None"]]
+
+
+def _row_problems(row: dict, prompt_key: str, ground_truth_checks: GroundTruthChecks) -> list[str]:
     problems = []
     if not isinstance(row.get("data_source"), str) or not row["data_source"]:
         problems.append(f"data_source is missing or empty (got {preview(row.get('data_source'))})")
@@ -45,14 +49,21 @@ def _row_problems(row: dict, prompt_key: str) -> list[str]:
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
         problems.append(f"reward_model.ground_truth is missing (reward_model = {preview(reward_model)})")
+    elif (check := ground_truth_checks.get(row.get("data_source"))) is not None:
+        problem = check(reward_model["ground_truth"])
+        if problem is not None:
+            problems.append(f"reward_model.ground_truth {problem} (got {preview(reward_model['ground_truth'])})")
     return problems
 
 
-def read_prompt_rows(paths: Sequence[Path], prompt_key: str) -> list[dict]:
-    """All rows of the parquet files; InputError naming the file and row of every unusable one."""
+def read_prompt_rows(paths: Sequence[Path], prompt_key: str,
+                     ground_truth_checks: GroundTruthChecks | None = None) -> list[dict]:
+    """All rows of the parquet files; InputError naming the file and row of every unusable one (a ground truth
+    the scorer of its data source could never match, too: `ground_truth_checks`)."""
     if not paths:
         raise InputError("data files: the list is empty")
-    return read_checked_rows(paths, what="data file", row_problems=lambda row: _row_problems(row, prompt_key))
+    return read_checked_rows(paths, what="data file",
+                             row_problems=lambda row: _row_problems(row, prompt_key, ground_truth_checks or {}))
 
 
 def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]]) -> list[list[int]]:
@@ -69,25 +80,33 @@ def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]]) -> lis
 
 
 class RLDataset:
-    """Rows of one or more parquet files in DESIGN.md §2 format, with chat-templated prompt token ids.
+    """Rows in DESIGN.md §2 format (read from parquet files, or generated), with chat-templated prompt token ids.
 
     Prompts longer than `max_prompt_length` tokens are dropped (counted in `num_dropped`).
     Item `i` is a dict: input_ids (list[int]), data_source, reward_model, extra_info,
     raw_prompt (the messages) and index (= i, the prompt's id within this dataset).
+    `source` names where the rows came from in messages; `num_rows` counts them before the length filter.
     """
 
-    def __init__(
-        self, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int, prompt_key: str = "prompt"
-    ):
+    @classmethod
+    def from_files(cls, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int,
+                   prompt_key: str = "prompt", ground_truth_checks: GroundTruthChecks | None = None) -> RLDataset:
+        """The rows of parquet files, each checked (InputError naming the file and row of every unusable one)."""
         paths = [Path(file) for file in files]
-        rows = read_prompt_rows(paths, prompt_key)
+        rows = read_prompt_rows(paths, prompt_key, ground_truth_checks)
+        return cls(rows, tokenizer, max_prompt_length=max_prompt_length, prompt_key=prompt_key,
+                   source=", ".join(map(str, paths)))
+
+    def __init__(self, rows: Sequence[dict], tokenizer: Any, *, max_prompt_length: int, prompt_key: str = "prompt",
+                 source: str = "generated rows"):
+        self.source, self.num_rows = source, len(rows)
         token_ids = tokenize_prompts(tokenizer, [row[prompt_key] for row in rows])
         kept = [position for position, ids in enumerate(token_ids) if len(ids) <= max_prompt_length]
         self.num_dropped = len(rows) - len(kept)
         if self.num_dropped:
             logger.warning(
                 "dropped %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
-                self.num_dropped, len(rows), max_prompt_length, ", ".join(map(str, paths)),
+                self.num_dropped, len(rows), max_prompt_length, source,
             )
         self.input_ids: list[list[int]] = [token_ids[position] for position in kept]
         self.data_sources: list[str] = [rows[position]["data_source"] for position in kept]

@@ -1,7 +1,10 @@
 """Preference pairs for `megarl train-rm`: the parquet format, reading it, and pairs made from the arithmetic task.
 
 A pair row is `prompt` (chat messages, as in the RL data of DESIGN.md §2), `chosen`
-and `rejected` (response texts); the reward model should score `chosen` higher.
+and `rejected` (response texts); the reward model should score `chosen` higher. An
+optional `margin` column (a finite number per row) asks for a score gap of at least
+that much: the loss becomes -log sigmoid(s(chosen) - s(rejected) - margin), as in
+TRL's and OpenRLHF's reward trainers; a file without it trains the plain loss.
 The arithmetic pairs prefer the task's reference answer (`#### <sum>`) over a wrong
 response of the kinds the task's own policy produces: mostly a sum off by a carry or a
 digit (at the rates measured on the quickstart policy), else a random number or the
@@ -11,6 +14,7 @@ right number without the `####` the rule requires.
 from __future__ import annotations
 
 import functools
+import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +52,10 @@ def _row_problems(row: dict) -> list[str]:
     for key in ("chosen", "rejected"):
         if not isinstance(row.get(key), str):
             problems.append(f"{key} is not a string (got {preview(row.get(key))})")
+    if "margin" in row:
+        margin = row["margin"]
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            problems.append(f"margin is not a finite number (got {preview(margin)})")
     if not problems and row["chosen"] == row["rejected"]:
         problems.append("chosen and rejected are the same response")
     return problems
@@ -62,8 +70,10 @@ def read_pairs(paths: Sequence[Path]) -> list[dict]:
 
 
 def write_pairs(rows: Sequence[dict], path: Path) -> Path:
+    """`rows` as a pair file; with a `margin` column when the rows have margins."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(list(rows), schema=PAIR_SCHEMA), path)
+    schema = PAIR_SCHEMA.append(pa.field("margin", pa.float64())) if any("margin" in r for r in rows) else PAIR_SCHEMA
+    pq.write_table(pa.Table.from_pylist(list(rows), schema=schema), path)
     return path
 
 

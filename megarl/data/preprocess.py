@@ -21,7 +21,9 @@ from megarl import atomic
 from megarl.data.rows import make_row, preview, raise_problems, write_rows
 from megarl.data.synthetic import write_arithmetic_dataset
 from megarl.errors import InputError
+from megarl.rewards import gsm8k
 from megarl.rewards.math import last_boxed_content
+from megarl.userfiles import directory_problem, file_problem
 
 SPLITS = ("train", "test")
 SUFFIXES = (".jsonl", ".parquet")
@@ -45,6 +47,8 @@ class SourceFormat:
     instruction: str
     ground_truth: Callable[[str], str | None]  # None when the reference answer has no final answer
     final_answer_hint: str  # names the missing final answer in error lines
+    # Why the scorer could never match a final answer (None: it can); None when every final answer can match.
+    ground_truth_problem: Callable[[str], str | None] | None = None
 
 
 FORMATS = {
@@ -55,6 +59,7 @@ FORMATS = {
         instruction="Let's think step by step and output the final answer after \"####\".",
         ground_truth=_gsm8k_ground_truth,
         final_answer_hint="'#### <number>'",
+        ground_truth_problem=gsm8k.ground_truth_problem,
     ),
     "math": SourceFormat(
         data_source="DigitalLearningGmbH/MATH-lighteval",
@@ -75,6 +80,9 @@ def find_split_files(input_path: Path) -> dict[str, list[Path]]:
     """{split: files} for a file named train*/test* or a directory holding such .jsonl/.parquet files."""
     if not input_path.exists():
         raise InputError(f"--input {input_path}: no such file or directory")
+    if not input_path.is_dir() and (problem := file_problem(input_path)) is not None:
+        # A FIFO would block the read and a device (/dev/null, /dev/zero) is no data set.
+        raise InputError(f"--input {input_path}: {problem.replace('not a regular file', 'not a data file or directory')}")
     if input_path.is_file():
         split = _split_of(input_path)
         if split is None or input_path.suffix not in SUFFIXES:
@@ -116,6 +124,8 @@ def read_records(path: Path) -> Iterator[tuple[str, object]]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise InputError(f"{path} line {line_number}: not valid JSON ({error.msg})") from error
+            except RecursionError:
+                raise InputError(f"{path} line {line_number}: JSON nested too deeply to be a record") from None
             yield f"{path} line {line_number}", record
 
 
@@ -148,6 +158,10 @@ def convert_split(source: SourceFormat, split: str, files: list[Path]) -> tuple[
                     f"{preview(answer)}"
                 )
                 continue
+            if source.ground_truth_problem is not None and (problem := source.ground_truth_problem(ground_truth)):
+                problems.append(f"{location}: field {source.answer_field!r}: its final answer {problem} "
+                                f"(got {ground_truth!r})")
+                continue
             rows.append(
                 make_row(
                     data_source=source.data_source,
@@ -162,12 +176,24 @@ def convert_split(source: SourceFormat, split: str, files: list[Path]) -> tuple[
     return rows, problems
 
 
+def _check_output_dir(output_dir: Path) -> None:
+    """--output must be a directory or become one: neither it nor a parent may be a file (or a device)."""
+    for where in (output_dir, *output_dir.parents):
+        if where.exists():
+            problem = directory_problem(where)
+            if problem is not None:
+                what = "" if where == output_dir else f"its parent {where} "
+                raise InputError(f"--output {output_dir}: {what}{problem}")
+            return
+
+
 def preprocess(dataset: str, *, input_path: Path | None, output_dir: Path, seed: int = 0) -> dict[str, int]:
     """Write `output_dir`/{train,test}.parquet for `dataset` ("gsm8k", "math" or "arithmetic"); rows per split.
 
     Nothing is written when any input row is bad.
     """
     output_dir = Path(output_dir)
+    _check_output_dir(output_dir)
     if dataset == "arithmetic":
         # Generated, so --input is not used; the sizes suit CPU runs.
         write_arithmetic_dataset(output_dir, ARITHMETIC_SIZES["train"], ARITHMETIC_SIZES["test"], seed)

@@ -46,9 +46,9 @@ def random_digit_rows(num: int, *, digits: int, seed: int, split: str) -> list[d
     return rows
 
 
-def write_random_digits_dataset(out_dir: Path, *, num_train: int, num_val: int, seed: int, prompt_length: int,
-                                tokenizer: Any) -> tuple[Path, Path | None]:
-    """Write `train.parquet` (and `test.parquet` when `num_val` > 0) whose prompts are `prompt_length` tokens."""
+def random_digits_splits(*, num_train: int, num_val: int, seed: int, prompt_length: int,
+                         tokenizer: Any) -> dict[str, list[dict]]:
+    """{"train": rows} and, when `num_val` > 0, {"test": rows}, whose prompts are `prompt_length` tokens."""
     digits = digits_for_length(tokenizer, prompt_length)
     splits = {"train": random_digit_rows(num_train, digits=digits, seed=seed, split="train")}
     if num_val:
@@ -59,6 +59,14 @@ def write_random_digits_dataset(out_dir: Path, *, num_train: int, num_val: int, 
         raise InputError(f"data.synthetic.task: random_digits needs a tokenizer that gives each digit a token of "
                          f"its own; {getattr(tokenizer, 'name_or_path', 'the tokenizer')!r} made prompts of "
                          f"{min(lengths)}..{max(lengths)} tokens instead of {prompt_length} (got 'random_digits')")
+    return splits
+
+
+def write_random_digits_dataset(out_dir: Path, *, num_train: int, num_val: int, seed: int, prompt_length: int,
+                                tokenizer: Any) -> tuple[Path, Path | None]:
+    """Write `train.parquet` (and `test.parquet` when `num_val` > 0): the rows of `random_digits_splits`."""
+    splits = random_digits_splits(num_train=num_train, num_val=num_val, seed=seed, prompt_length=prompt_length,
+                                  tokenizer=tokenizer)
     paths = {split: Path(out_dir) / f"{split}.parquet" for split in splits}
     atomic.write_files({paths[split]: functools.partial(write_rows, rows) for split, rows in splits.items()})
     return paths["train"], paths.get("test")

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megarl.errors import InputError
+from megarl.userfiles import file_problem
 
 ROW_SCHEMA = pa.schema(
     [
@@ -75,7 +76,7 @@ def read_checked_rows(paths: Sequence[Path], *, what: str,
                       row_problems: Callable[[dict], list[str]]) -> list[dict]:
     """All rows of the parquet files (`what`: "data file", "pair file"); InputError naming the file and row of
     every unusable one (`row_problems(row)` says what is wrong with a row)."""
-    raise_problems([f"{what} {path}: no such file" for path in paths if not path.is_file()])
+    raise_problems([f"{what} {path}: {problem}" for path in paths if (problem := file_problem(path)) is not None])
     rows, problems = [], []
     for path in paths:
         try:

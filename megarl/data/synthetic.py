@@ -76,20 +76,27 @@ def arithmetic_rows(
     return rows
 
 
-def write_arithmetic_dataset(
-    out_dir: Path, num_train: int, num_val: int, seed: int, max_operand: int = 99
-) -> tuple[Path, Path]:
-    """Write `train.parquet` and `test.parquet` under `out_dir`; no test (a, b) pair appears in train."""
+def arithmetic_splits(num_train: int, num_val: int, seed: int, max_operand: int = 99) -> dict[str, list[dict]]:
+    """{"train": rows, "test": rows} of the task; no test (a, b) pair appears in train."""
     pairs = (max_operand + 1) ** 2
     if num_val >= pairs:
         raise InputError(
-            f"synthetic data: num_val={num_val} leaves no (a, b) pair for training with max_operand={max_operand} "
-            f"({pairs} pairs)"
+            f"data.synthetic.num_val: leaves no (a, b) pair for training: max_operand = {max_operand} makes {pairs} "
+            f"pairs (got {num_val})"
         )
-    val_rows = arithmetic_rows(num_val, seed=seed, split="test", max_operand=max_operand)
     held_out = arithmetic_pairs(num_val, seed=seed, split="test", max_operand=max_operand)
-    train_rows = arithmetic_rows(num_train, seed=seed, split="train", max_operand=max_operand, exclude_pairs=held_out)
+    return {
+        "train": arithmetic_rows(num_train, seed=seed, split="train", max_operand=max_operand, exclude_pairs=held_out),
+        "test": arithmetic_rows(num_val, seed=seed, split="test", max_operand=max_operand),
+    }
+
+
+def write_arithmetic_dataset(
+    out_dir: Path, num_train: int, num_val: int, seed: int, max_operand: int = 99
+) -> tuple[Path, Path]:
+    """Write `train.parquet` and `test.parquet` under `out_dir` (the rows of `arithmetic_splits`)."""
+    splits = arithmetic_splits(num_train, num_val, seed, max_operand)
     train_path, val_path = Path(out_dir) / "train.parquet", Path(out_dir) / "test.parquet"
-    atomic.write_files({train_path: functools.partial(write_rows, train_rows),
-                        val_path: functools.partial(write_rows, val_rows)})
+    atomic.write_files({train_path: functools.partial(write_rows, splits["train"]),
+                        val_path: functools.partial(write_rows, splits["test"])})
     return train_path, val_path

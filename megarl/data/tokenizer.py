@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.errors import InputError
+from megarl.userfiles import directory_problem, special_entries
 
 BUILTIN = "builtin"
 
@@ -29,6 +30,12 @@ def load_tokenizer(name_or_path: str = BUILTIN) -> Any:
     from transformers import AutoTokenizer
 
     location = builtin_tokenizer_dir() if name_or_path == BUILTIN else name_or_path
+    if Path(location).exists():  # else perhaps a hub id of the local cache
+        problem = directory_problem(location)
+        problems = [f"tokenizer {name_or_path!r}: {problem}"] if problem else [
+            f"tokenizer {name_or_path!r}: {entry}" for entry in special_entries(location)]
+        if problems:  # transformers would block on a FIFO among its files
+            raise InputError(problems)
     try:
         return AutoTokenizer.from_pretrained(str(location), local_files_only=True)
     except (OSError, ValueError) as error:

@@ -12,12 +12,13 @@ earlier.
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-from megarl.config.settings import Batching, OptimizerSettings, PolicyUpdateSettings
-from megarl.engines import cpu_compat, hf_weights
+from megarl.config.settings import Batching, LoraSettings, OptimizerSettings, PolicyUpdateSettings
+from megarl.engines import cpu_compat, hf_weights, lora
 from megarl.engines.engine_base import SEQUENCE_KEYS, MegatronEngine, global_normalisers, pick
 from megarl.engines.losses import (
     dp_sum,
@@ -48,27 +49,37 @@ class PolicyEngine(MegatronEngine):
         transformer_impl: str,
         optimizer: OptimizerSettings | None,
         tokenizer_path: str | None = None,
+        lora_settings: LoraSettings | None = None,
     ):
         """`weights`: an HF checkpoint dir, an HF state dict, or None for random weights from `seed`.
 
         `optimizer=None` builds a frozen reference. `tokenizer_path` is recorded in checkpoints
-        for export (default: `weights` when it is a dir).
+        for export (default: `weights` when it is a dir). `lora_settings`: the weights become a frozen
+        base with LoRA adapters, the only parameters the optimizer trains (`megarl.engines.lora`).
         """
         self._build(hf_config, params_dtype=params_dtype, transformer_impl=transformer_impl, value_head=False)
         self.tokenizer_path = tokenizer_path or (str(weights) if isinstance(weights, (str, Path)) else None)
         hf_weights.load_hf_weights(self.model, weights, seed=seed)
+        if lora_settings is not None:
+            lora.attach_lora(self.model, lora_settings)
+            self.lora_settings = lora_settings
+            self.base_weights = {"path": str(weights) if isinstance(weights, (str, Path)) else None,
+                                 "seed": seed}
         self._attach_optimizer(optimizer)
 
     # ------------------------------------------------------------------ inference
 
     def compute_log_prob(
-        self, rows: Rows, *, temperature: float, with_entropy: bool, batching: Batching
+        self, rows: Rows, *, temperature: float, with_entropy: bool, batching: Batching, adapters: bool = True
     ) -> tuple[Tensor, Tensor | None]:
         """(log_probs [B, R], entropy [B, R] or None), float32 CPU, on every rank; R = `responses`' width.
 
         Packed micro-batches (`batching.max_tokens_per_microbatch`) are collective over DP.
-        Values at response padding positions are meaningless (mask them).
+        Values at response padding positions are meaningless (mask them). `adapters=False`: the base
+        model's, the LoRA adapters switched off (a LoRA actor's reference policy).
         """
+        if not adapters and self.lora_settings is None:
+            self._unsupported("LoRA adapters to switch off")
         response_length = rows["responses"].shape[1]
 
         def loss_fn(mb, logits):
@@ -82,10 +93,11 @@ class PolicyEngine(MegatronEngine):
             }
 
         shape = (rows["input_ids"].shape[0], response_length)
-        out = self._forward_rows(
-            rows, batching=batching, loss_fn=loss_fn,
-            shapes={"log_probs": shape, **({"entropy": shape} if with_entropy else {})},
-        )
+        with nullcontext() if adapters else lora.adapters_disabled(self.model):
+            out = self._forward_rows(
+                rows, batching=batching, loss_fn=loss_fn,
+                shapes={"log_probs": shape, **({"entropy": shape} if with_entropy else {})},
+            )
         return out["log_probs"], out.get("entropy")
 
     # ------------------------------------------------------------------ training

@@ -22,6 +22,12 @@ megarl never trains in FP8) are left out. `load_policy_weights` loads only the
 weights of a policy checkpoint, optionally without the output layer (a value model
 starting from the actor's backbone): each rank reads only its own shards.
 
+A policy with LoRA adapters (`megarl.engines.lora`) checkpoints its adapters alone (and their
+optimizer state): the frozen base is where the engine loaded it from, recorded with the LoRA
+settings under `lora` in `megarl_checkpoint.json` (its `base`: the HF dir, or the seed of a
+random base), so a checkpoint weighs megabytes. Adapters are stored under global keys, split
+as their linears' weights are, so they too load at any layout.
+
 Save and load are collectives over all ranks of the engine. Trap (PLATFORM.md): the
 save starts a spawn-based multiprocessing Manager, so a plain script that saves must
 guard its entry point with `if __name__ == "__main__":`; Ray actors and
@@ -40,7 +46,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megarl.engines.distributed import parallel_layout
-from megarl.engines.gpt import GPTModelChunks
+from megarl.engines.gpt import ADAPTERS_PREFIX, GPTModelChunks
 from megarl.engines.optim import TrainState
 from megarl.errors import InputError
 from megarl.models.spec import arch_from_hf
@@ -61,6 +67,8 @@ class CheckpointInfo:
     # False when the optimizer had not stepped yet (Adam keeps no state then).
     has_optimizer_state: bool = True
     has_rng_state: bool = False  # checkpoints written before RNG states were saved have none
+    # LoRA adapters only: {"rank", "alpha", "dropout", "targets", "init", "base": {"path", "seed"}}; None: full weights
+    lora: dict | None = None
 
 
 def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo:
@@ -80,6 +88,7 @@ def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo:
         saved_layout=data["saved_layout"],
         has_optimizer_state=data.get("has_optimizer_state", data["has_optimizer"]),
         has_rng_state=data.get("has_rng_state", False),
+        lora=data.get("lora"),
     )
 
 
@@ -95,30 +104,39 @@ def checkpoint_key(key: str) -> str:
     return key
 
 
-def _chunk_state(chunk, *, backbone_only: bool = False) -> dict:
+def _stored(name: str, *, backbone_only: bool, adapters_only: bool) -> bool:
+    """Whether a chunk's state entry `name` goes into (and comes out of) a checkpoint."""
+    if name.endswith("._extra_state") or (backbone_only and name.startswith("output_layer.")):
+        return False
+    return name.startswith(ADAPTERS_PREFIX) or not adapters_only
+
+
+def _chunk_state(chunk, *, backbone_only: bool = False, adapters_only: bool = False) -> dict:
     state = {}
     for name, item in chunk.sharded_state_dict().items():
-        if name.endswith("._extra_state") or (backbone_only and name.startswith("output_layer.")):
+        if not _stored(name, backbone_only=backbone_only, adapters_only=adapters_only):
             continue
         item.key = checkpoint_key(item.key)
         state[name] = item
     return state
 
 
-def sharded_model_state(model: GPTModelChunks, *, backbone_only: bool = False) -> dict:
-    """What a checkpoint stores of `model` (`backbone_only`: without the output layer), as megatron's sharded
-    state dict per VPP chunk."""
+def sharded_model_state(model: GPTModelChunks, *, backbone_only: bool = False, adapters_only: bool = False) -> dict:
+    """What a checkpoint stores of `model` (`backbone_only`: without the output layer; `adapters_only`: the LoRA
+    adapters alone), as megatron's sharded state dict per VPP chunk."""
     # The tensors inside carry global keys, so the dict nesting does not have to match
     # between the saving and the loading layout.
-    return {f"model{i}": _chunk_state(chunk, backbone_only=backbone_only) for i, chunk in enumerate(model.chunks)}
+    return {f"model{i}": _chunk_state(chunk, backbone_only=backbone_only, adapters_only=adapters_only)
+            for i, chunk in enumerate(model.chunks)}
 
 
-def _load_into_chunks(model: GPTModelChunks, loaded: dict, *, backbone_only: bool = False) -> None:
+def _load_into_chunks(model: GPTModelChunks, loaded: dict, *, backbone_only: bool = False,
+                      adapters_only: bool = False) -> None:
     """Copy loaded weights into the chunks; only the entries left out of checkpoints may be missing."""
     for i, chunk in enumerate(model.chunks):
         result = chunk.load_state_dict(loaded[f"model{i}"], strict=False)
         missing = [name for name in result.missing_keys
-                   if not name.endswith("._extra_state") and not (backbone_only and name.startswith("output_layer."))]
+                   if _stored(name, backbone_only=backbone_only, adapters_only=adapters_only)]
         if missing or result.unexpected_keys:
             raise ValueError(f"checkpoint does not fit model chunk {i}: missing {missing[:5]}, "
                              f"unexpected {result.unexpected_keys[:5]}")
@@ -164,10 +182,11 @@ def save_checkpoint(
     tokenizer_path: str | None,
     engine_state: dict,
     weights_only: bool = False,
+    lora_record: dict | None = None,
 ) -> Path:
     """Save model (+ optimizer and LR schedule when `train` and not `weights_only`), `engine_state`
     (plain, identical on all ranks) and each rank's RNG states; collective. An existing checkpoint
-    in the dir is replaced."""
+    in the dir is replaced. `lora_record` (a LoRA policy: its settings and base): the adapters alone."""
     if weights_only:
         train = None
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
@@ -176,7 +195,8 @@ def save_checkpoint(
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         (ckpt_dir / METADATA_FILE).unlink(missing_ok=True)  # incomplete until the new one is written
     _barrier()
-    state: dict = {**sharded_model_state(model), "engine": engine_state, "rng": _sharded_rng_state()}
+    state: dict = {**sharded_model_state(model, adapters_only=lora_record is not None), "engine": engine_state,
+                   "rng": _sharded_rng_state()}
     # Before the first step there are no moments to save, and megatron's sharded optimizer
     # state would ask the loader for moments that do not exist.
     with_optimizer_state = train is not None and train.has_state()
@@ -197,6 +217,7 @@ def save_checkpoint(
             "has_optimizer_state": with_optimizer_state,
             "has_rng_state": True,
             "saved_layout": _layout_record(model),
+            "lora": lora_record,
         }
         tmp = ckpt_dir / (METADATA_FILE + ".tmp")
         tmp.write_text(json.dumps(info, indent=2, sort_keys=True))
@@ -223,6 +244,19 @@ def _check_same_model(info: CheckpointInfo, model: GPTModelChunks, ckpt_dir: Pat
         raise InputError(problems)
 
 
+def _check_same_adapters(info: CheckpointInfo, lora_record: dict | None, ckpt_dir: Path) -> None:
+    """InputError when the checkpoint's LoRA adapters (or full weights) do not fit the engine's."""
+    if (info.lora is None) != (lora_record is None):
+        held = "LoRA adapters" if info.lora is not None else "full weights"
+        ours = "LoRA adapters" if lora_record is not None else "full weights"
+        raise InputError(f"checkpoint {ckpt_dir}: holds {held}, the engine trains {ours} (actor.lora differs)")
+    if info.lora is not None:
+        problems = [f"checkpoint {ckpt_dir}: LoRA {key}={info.lora[key]!r}, the engine's is {lora_record[key]!r}"
+                    for key in ("rank", "targets") if info.lora[key] != lora_record[key]]
+        if problems:
+            raise InputError(problems)
+
+
 def load_model_state(model: GPTModelChunks, ckpt_dir: Path) -> None:
     """Only the model weights of a checkpoint, into `model` at the current layout; collective."""
     _load_into_chunks(model, dist_checkpointing.load(sharded_model_state(model), str(ckpt_dir)))
@@ -235,31 +269,39 @@ def load_policy_weights(model: GPTModelChunks, ckpt_dir: str | Path, *, backbone
     reads only the shards its own parameters need.
     """
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
-    _check_same_model(read_checkpoint_info(ckpt_dir), model, ckpt_dir, backbone_only=backbone_only)
+    info = read_checkpoint_info(ckpt_dir)
+    if info.lora is not None:
+        raise InputError(f"checkpoint {ckpt_dir}: holds LoRA adapters without their base weights; load the base "
+                         f"({info.lora['base']}) instead")
+    _check_same_model(info, model, ckpt_dir, backbone_only=backbone_only)
     loaded = dist_checkpointing.load(sharded_model_state(model, backbone_only=backbone_only), str(ckpt_dir))
     _load_into_chunks(model, loaded, backbone_only=backbone_only)
 
 
 def load_checkpoint(
-    model: GPTModelChunks, train: TrainState | None, ckpt_dir: str | Path, *, load_optimizer: bool
+    model: GPTModelChunks, train: TrainState | None, ckpt_dir: str | Path, *, load_optimizer: bool,
+    lora_record: dict | None = None,
 ) -> dict:
     """Load a checkpoint saved at any layout into `model` (and `train`'s optimizer and schedule
     when `load_optimizer`, and the ranks' RNG states when saved at this layout); collective.
+    `lora_record`: the engine is a LoRA policy, whose checkpoints hold its adapters alone.
     Returns the saved `engine_state`."""
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
     info = read_checkpoint_info(ckpt_dir)
     _check_same_model(info, model, ckpt_dir)
+    _check_same_adapters(info, lora_record, ckpt_dir)
+    adapters_only = lora_record is not None
     with_optimizer = train is not None and load_optimizer
     if with_optimizer and not info.has_optimizer:
         raise InputError(f"checkpoint {ckpt_dir}: saved without optimizer state (load with load_optimizer=False)")
-    state = sharded_model_state(model)
+    state = sharded_model_state(model, adapters_only=adapters_only)
     if with_optimizer and info.has_optimizer_state:
         state["optimizer"] = train.optimizer.sharded_state_dict(dict(state), is_loading=True)
     restore_rng = info.has_rng_state and info.saved_layout == _layout_record(model)
     if restore_rng:
         state["rng"] = _sharded_rng_state()
     loaded = dist_checkpointing.load(state, str(ckpt_dir))
-    _load_into_chunks(model, loaded)
+    _load_into_chunks(model, loaded, adapters_only=adapters_only)
     if with_optimizer and info.has_optimizer_state:
         train.optimizer.load_state_dict(loaded["optimizer"])
     elif with_optimizer:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.config.settings import Batching, OptimizerSettings
-from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights, offload
+from megarl.config.settings import Batching, LoraSettings, OptimizerSettings
+from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights, lora, offload
 from megarl.engines.gpt import GPTModelChunks
 from megarl.engines.losses import dp_sum
 from megarl.engines.optim import TrainState, build_train_state
@@ -59,6 +59,8 @@ class MegatronEngine:
     _update_calls: int = 0
     _offloaded: offload.Offloaded | None = None  # what the last offload(s) moved, until onload
     _backbone_only = False  # a value model keeps its own head when it loads a policy's weights
+    lora_settings: LoraSettings | None = None  # a policy with LoRA adapters on a frozen base
+    base_weights: dict | None = None  # with LoRA: where the frozen base came from ({"path", "seed"})
 
     def _build(self, hf_config: dict, *, params_dtype, transformer_impl: str, value_head: bool) -> None:
         """The model of this rank (at the layout Megatron was initialised with); weights are loaded by the head."""
@@ -171,20 +173,25 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ weights
 
+    @staticmethod
+    def _weights_of(chunk: torch.nn.Module) -> dict[str, Tensor]:
+        """A chunk's weights as the policy computes with them: LoRA adapters (when on) merged into their linears."""
+        return lora.merged_weights(chunk, gpt.chunk_weights(chunk))
+
     def weight_shards(self) -> WeightShards:
         shards = {
             (chunk_index, name): tensor
             for chunk_index, chunk in enumerate(self.model.chunks)
-            for name, tensor in gpt.chunk_weights(chunk).items()
+            for name, tensor in self._weights_of(chunk).items()
         }
         return WeightShards(shards, len(self.model.chunks), self.model.arch, self.model.padded_vocab)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
-        """Full HF-named float32 CPU weights on every rank (collective over TP and PP). For tests and small
-        models: every rank then holds the whole model; `save_checkpoint` + `load_policy_checkpoint` hand weights
-        to another engine without that."""
+        """Full HF-named float32 CPU weights on every rank (collective over TP and PP), LoRA adapters merged. For
+        tests and small models: every rank then holds the whole model; `save_checkpoint` +
+        `load_policy_checkpoint` hand weights to another engine without that."""
         cpu_compat.install()
-        return hf_weights.hf_state_dict(self.model)
+        return hf_weights.hf_state_dict(self.model, self._weights_of)
 
     def save_hf_weights(self, path: str, *, dtype: str) -> None:
         """`hf_state_dict()` in `dtype` as one safetensors file at `path`, written by global rank 0 (collective).
@@ -205,6 +212,14 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ checkpoints and memory
 
+    def _lora_record(self) -> dict | None:
+        """What a LoRA policy's checkpoint records of its adapters and base (None: full weights)."""
+        settings = self.lora_settings
+        if settings is None:
+            return None
+        return {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout,
+                "targets": list(settings.targets), "init": settings.init, "base": self.base_weights}
+
     def save_checkpoint(self, ckpt_dir: str | Path, *, weights_only: bool = False) -> Path:
         """Weights (+ optimizer and LR schedule when trainable and not `weights_only`) to `ckpt_dir`, loadable at
         any layout; collective. `megarl export` turns it into an HF checkpoint."""
@@ -217,13 +232,15 @@ class MegatronEngine:
             tokenizer_path=self.tokenizer_path,
             engine_state={"update_calls": self._update_calls},
             weights_only=weights_only,
+            lora_record=self._lora_record(),
         )
 
     def load_checkpoint(self, ckpt_dir: str | Path, *, load_optimizer: bool) -> None:
         """Load a checkpoint saved at any layout; collective. `load_optimizer=False` restores
         only the weights (the optimizer and LR schedule keep their current state)."""
         cpu_compat.install()
-        engine_state = checkpoint.load_checkpoint(self.model, self.train, ckpt_dir, load_optimizer=load_optimizer)
+        engine_state = checkpoint.load_checkpoint(self.model, self.train, ckpt_dir, load_optimizer=load_optimizer,
+                                                  lora_record=self._lora_record())
         if load_optimizer:
             self._update_calls = int(engine_state.get("update_calls", self._update_calls))
 

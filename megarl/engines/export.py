@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,14 +40,16 @@ TOKENIZER_FILES = (
 )
 
 
-def _write_hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str, out_dir: Path, max_shard_bytes: int) -> None:
-    """The checkpoint's weights resharded into a TP1/PP1 model, written as HF tensors one at a time."""
+@contextmanager
+def world_of_one():
+    """A world-size-1 gloo process group at TP1/PP1 for the duration of the block (the CPU compatibility layer
+    installed first); RuntimeError when torch.distributed already runs in this process."""
     from megarl.engines import cpu_compat
 
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError("export needs its own process: torch.distributed is already initialised here")
     cpu_compat.install()
-    from megarl.engines import checkpoint, gpt
     from megarl.engines.distributed import destroy_distributed, set_model_parallel
-    from megarl.models import hf_param_shapes, hf_sources
 
     with tempfile.TemporaryDirectory(prefix="megarl-export-") as rendezvous:
         # A file rendezvous needs no free port; world size 1 never talks to anyone.
@@ -55,24 +58,33 @@ def _write_hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str, out_di
         )
         try:
             set_model_parallel(tp=1, pp=1)
-            # Checkpoints do not depend on the layer spec, and the local one runs anywhere.
-            model = gpt.build_gpt(hf_config, params_dtype=params_dtype, transformer_impl="local")
-            checkpoint.load_model_state(model, ckpt_dir)
-            weights = gpt.chunk_weights(model.chunks[0])  # TP1/PP1: local names are the full layout's
-            sources = hf_sources(model.arch, padded_vocab=model.padded_vocab)
-            writer = _ShardedWriter(out_dir, max_shard_bytes)
-            for name, shape in hf_param_shapes(model.arch).items():
-                tensor = torch.empty(shape, dtype=model.config.params_dtype)
-                for param, piece in sources[name]:
-                    tensor.narrow(piece.dim, piece.src_start, piece.length).copy_(
-                        weights[param].narrow(piece.dim, piece.dst_start, piece.length))
-                writer.add(name, tensor)
-            writer.close()
+            yield
         finally:
             destroy_distributed()
 
 
-class _ShardedWriter:
+def _write_hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str, out_dir: Path, max_shard_bytes: int) -> None:
+    """The checkpoint's weights resharded into a TP1/PP1 model, written as HF tensors one at a time."""
+    from megarl.engines import checkpoint, gpt
+    from megarl.models import hf_param_shapes, hf_sources
+
+    with world_of_one():
+        # Checkpoints do not depend on the layer spec, and the local one runs anywhere.
+        model = gpt.build_gpt(hf_config, params_dtype=params_dtype, transformer_impl="local")
+        checkpoint.load_model_state(model, ckpt_dir)
+        weights = gpt.chunk_weights(model.chunks[0])  # TP1/PP1: local names are the full layout's
+        sources = hf_sources(model.arch, padded_vocab=model.padded_vocab)
+        writer = ShardedWriter(out_dir, max_shard_bytes)
+        for name, shape in hf_param_shapes(model.arch).items():
+            tensor = torch.empty(shape, dtype=model.config.params_dtype)
+            for param, piece in sources[name]:
+                tensor.narrow(piece.dim, piece.src_start, piece.length).copy_(
+                    weights[param].narrow(piece.dim, piece.dst_start, piece.length))
+            writer.add(name, tensor)
+        writer.close()
+
+
+class ShardedWriter:
     """HF safetensors output in files of at most `max_bytes` (one tensor larger than that gets a file alone):
     `model.safetensors` when one file suffices, else numbered files and `model.safetensors.index.json`."""
 
@@ -124,13 +136,26 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, *, max_shard_bytes: int = M
 
     ckpt_dir, out_dir = Path(ckpt_dir).expanduser().resolve(), Path(out_dir).expanduser().resolve()
     info = read_checkpoint_info(ckpt_dir)
+    if info.lora is not None:
+        raise InputError(f"checkpoint {ckpt_dir}: holds LoRA adapters, not full weights: export them with --lora OUT "
+                         f"(a PEFT adapter) or --merge OUT (an HF checkpoint with the adapters merged)")
+    tokenizer_dir = checked_tokenizer_dir(info, ckpt_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_hf_weights(ckpt_dir, info.hf_config, info.params_dtype, out_dir, max_shard_bytes)
+    write_config_and_tokenizer(info, tokenizer_dir, out_dir)
+    return out_dir
+
+
+def checked_tokenizer_dir(info, ckpt_dir: Path) -> Path | None:
+    """The tokenizer dir a checkpoint recorded (None: none); InputError when it is gone."""
     tokenizer_dir = Path(info.tokenizer_path).expanduser() if info.tokenizer_path else None
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         raise InputError(f"checkpoint {ckpt_dir}: tokenizer_path {info.tokenizer_path!r} does not exist")
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise RuntimeError("export_checkpoint needs its own process: torch.distributed is already initialised here")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_hf_weights(ckpt_dir, info.hf_config, info.params_dtype, out_dir, max_shard_bytes)
+    return tokenizer_dir
+
+
+def write_config_and_tokenizer(info, tokenizer_dir: Path | None, out_dir: Path) -> None:
+    """`config.json` (in the engine's dtype) and the recorded tokenizer's files, next to exported weights."""
     # `dtype` is what transformers 5 reads, `torch_dtype` what older readers (SGLang) do.
     config = {**info.hf_config, "dtype": info.params_dtype, "torch_dtype": info.params_dtype}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -138,4 +163,3 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, *, max_shard_bytes: int = M
         for name in TOKENIZER_FILES:
             if (tokenizer_dir / name).is_file():
                 shutil.copyfile(tokenizer_dir / name, out_dir / name)
-    return out_dir

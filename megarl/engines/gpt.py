@@ -27,6 +27,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megarl.engines.attention import PackedDotProductAttention
+from megarl.engines.lora import ADAPTERS_ATTR
 from megarl.errors import InputError
 from megarl.models.layout import canonical_name, padded_vocab_size
 from megarl.models.sharding import stage_roles, tp_split_dim
@@ -35,6 +36,7 @@ from megarl.models.spec import Arch, arch_from_hf
 Tensor = torch.Tensor
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
+ADAPTERS_PREFIX = ADAPTERS_ATTR + "."
 
 
 @dataclass
@@ -85,11 +87,11 @@ def resolve_transformer_impl(choice: str) -> str:
 
 def chunk_weights(chunk: torch.nn.Module) -> dict[str, Tensor]:
     """A chunk's weights by local-spec name (`canonical_name`), without megatron's / TE's `_extra_state` entries
-    (None in local layers, FP8 metadata tensors in TE layers)."""
+    (None in local layers, FP8 metadata tensors in TE layers) and without LoRA adapters (`megarl.engines.lora`)."""
     return {
         canonical_name(name): value
         for name, value in chunk.state_dict().items()
-        if isinstance(value, Tensor) and not name.endswith("._extra_state")
+        if isinstance(value, Tensor) and not name.endswith("._extra_state") and not name.startswith(ADAPTERS_PREFIX)
     }
 
 

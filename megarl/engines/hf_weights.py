@@ -127,9 +127,9 @@ def _unflatten(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
     return [part.reshape(shape).cpu() for part, shape in zip(flat.split(sizes), shapes)]
 
 
-def _tp_merged_chunks(model: GPTModelChunks, device: torch.device) -> dict[tuple[int, str], Tensor]:
+def _tp_merged_chunks(model: GPTModelChunks, device: torch.device, weights_of) -> dict[tuple[int, str], Tensor]:
     """{(vpp chunk, name): full-TP tensor} of this rank's chunks: one all-gather of the flattened shards."""
-    local = [(v, name, t) for v, chunk in enumerate(model.chunks) for name, t in sorted(chunk_weights(chunk).items())]
+    local = [(v, name, t) for v, chunk in enumerate(model.chunks) for name, t in sorted(weights_of(chunk).items())]
     shapes = [t.shape for _, _, t in local]
     flat = _flatten([t for _, _, t in local], device)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -185,15 +185,15 @@ def _broadcast_stage(mine: dict, src: int, device: torch.device) -> dict[tuple[i
     return {key: t for (key, _), t in zip(meta[0], _unflatten(data, shapes))}
 
 
-def hf_state_dict(model: GPTModelChunks) -> dict[str, Tensor]:
+def hf_state_dict(model: GPTModelChunks, weights_of=chunk_weights) -> dict[str, Tensor]:
     """The full HF state dict (float32, CPU) on every rank; a collective over the TP and PP groups.
 
-    One all-gather over TP of this rank's flattened shards (and one over EP of its
-    experts), then each PP rank broadcasts its merged chunks to the others. DP replicas
-    hold the same weights and do not talk.
+    One all-gather over TP of this rank's flattened shards (`weights_of(chunk)`, by default the chunk's
+    own weights; a LoRA engine passes its merged ones), and one over EP of its experts, then each PP
+    rank broadcasts its merged chunks to the others. DP replicas hold the same weights and do not talk.
     """
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    mine = _with_all_experts(_tp_merged_chunks(model, device), device)
+    mine = _with_all_experts(_tp_merged_chunks(model, device, weights_of), device)
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     stages = [mine] if pp_size == 1 else [_broadcast_stage(mine, src, device) for src in range(pp_size)]
     shards = {}

@@ -2,15 +2,22 @@
 
 The model is an HF `*ForSequenceClassification` with one label: the backbone, then
 `score.weight` [1, H] (no bias) applied to the final-norm hidden state, read at the
-last valid token of each row (the last position whose `attention_mask` is 1; HF reads
-the rightmost non-pad token, the same position for rows without a pad id inside).
+pooling token of each row. That token follows HF's rule
+(`GenericForSequenceClassification.forward` in transformers' `modeling_layers.py`):
+the rightmost token whose id is not the config's `pad_token_id`, among the attended
+positions here (megarl's own padding may use any id). So where the pad id is EOS, as
+in many Llama-3-style reward models, an EOS-terminated row is read at its last token
+before the EOS. Without a pad id it is the last attended token (where HF reads the
+last position).
 It is built like the value model (`gpt.build_gpt(value_head=True)`) with the head
 swapped for the bias-free `ScoreHead`, replicated over TP. A reward model has no LM
 head, so its backbone maps as a tied model does (no `lm_head.weight`).
 
 `compute_scores` scores rows; `update` fits the model to preference pairs with the
-Bradley-Terry loss -log sigmoid(s(chosen) - s(rejected)), normalised by the pairs of
-the whole mini-batch over DP, so the gradient does not depend on the micro-batch split.
+Bradley-Terry loss -log sigmoid(s(chosen) - s(rejected) - margin) (margin 0 unless the
+pairs give one, as TRL's `RewardTrainer.compute_loss` and OpenRLHF's `PairWiseLoss`),
+normalised by the pairs of the whole mini-batch over DP, so the gradient does not
+depend on the micro-batch split.
 Weights come from an RM checkpoint (backbone and head) or from any HF checkpoint of
 the family (backbone only; the head then starts at zero, so every first score is 0).
 """
@@ -46,17 +53,27 @@ class ScoreHead(torch.nn.Module):
         return F.linear(hidden_states, self.weight), None
 
 
-def last_token_scores(mb: dict, output: Tensor) -> Tensor:
-    """Scores [n] at the last valid token of each row, from the model output [b, T, 1] (packed: [1, T, 1],
-    rows located through `token_index`)."""
+def _last_true(mask: Tensor) -> Tensor:
+    """Per row of a bool [n, L], the index of its last True."""
+    return mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)
+
+
+def pooled_scores(mb: dict, output: Tensor, *, pad_token_id: int | None) -> Tensor:
+    """Scores [n] at the pooling token of each row (module docstring), from the model output [b, T, 1]
+    (packed: [1, T, 1], rows located through `token_index`). A row whose attended tokens are all `pad_token_id`
+    falls back to its last attended token."""
     scores = output.squeeze(-1).float()
     if "token_index" not in mb:
-        mask = mb["attention_mask"]
-        last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)
-        return scores.gather(1, last.unsqueeze(1).to(scores.device)).squeeze(1)
-    index = mb["token_index"]
-    last = index.shape[1] - 1 - (index >= 0).flip(-1).int().argmax(-1)
-    return scores[0][index.gather(1, last.unsqueeze(1)).squeeze(1).to(scores.device)]
+        attended, ids = mb["attention_mask"].bool(), mb["input_ids"]
+    else:
+        index = mb["token_index"]
+        attended, ids = index >= 0, mb["input_ids"][0][index.clamp(min=0)]
+    candidates = attended if pad_token_id is None else attended & (ids != pad_token_id)
+    candidates = torch.where(candidates.any(-1, keepdim=True), candidates, attended)
+    last = _last_true(candidates).unsqueeze(1)
+    if "token_index" not in mb:
+        return scores.gather(1, last.to(scores.device)).squeeze(1)
+    return scores[0][mb["token_index"].gather(1, last).squeeze(1).to(scores.device)]
 
 
 def _score_weight(weights) -> Tensor | None:
@@ -74,24 +91,28 @@ def backbone_config(hf_config: dict) -> dict:
 
 
 def interleave_pairs(rows: Rows) -> dict[str, Tensor]:
-    """Chosen and rejected sequences as one batch [c0, r0, c1, r1, ...], right-padded to a common width."""
+    """Chosen and rejected sequences as one batch [c0, r0, c1, r1, ...], right-padded to a common width, with
+    each pair's `margin` on both of its rows."""
     width = max(rows[f"{side}_input_ids"].shape[1] for side in ("chosen", "rejected"))
     out = {}
     for key in SEQUENCE_KEYS:
         sides = [rows[f"{side}_{key}"] for side in ("chosen", "rejected")]
         sides = [F.pad(t, (0, width - t.shape[1])) for t in sides]
         out[key] = torch.stack(sides, dim=1).reshape(-1, width)
+    out["margin"] = rows["margin"].float().repeat_interleave(2)
     return out
 
 
-def bradley_terry_loss(mb: dict, output: Tensor, *, scale: int, pairs: float) -> tuple[Tensor, dict]:
-    """One micro-batch's share of the mini-batch loss (rows alternate chosen, rejected), scaled by `scale`."""
-    scores = last_token_scores(mb, output)
-    margin = scores[0::2] - scores[1::2]
-    valid = mb["valid_row"][0::2].to(margin.device)
-    loss = -(F.logsigmoid(margin) * valid).sum() / pairs
-    return loss * scale, {"rm/loss": loss.detach(), "rm/accuracy": ((margin > 0).float() * valid).sum().detach(),
-                          "rm/margin": (margin * valid).sum().detach()}
+def bradley_terry_loss(mb: dict, output: Tensor, *, scale: int, pairs: float,
+                       pad_token_id: int | None) -> tuple[Tensor, dict]:
+    """One micro-batch's share of the mini-batch loss (rows alternate chosen, rejected), scaled by `scale`:
+    -log sigmoid(s_c - s_r - margin) per pair. `rm/margin` is the mean score gap s_c - s_r (TRL's metric)."""
+    scores = pooled_scores(mb, output, pad_token_id=pad_token_id)
+    gap = scores[0::2] - scores[1::2]
+    valid = mb["valid_row"][0::2].to(gap.device)
+    loss = -(F.logsigmoid(gap - mb["margin"][0::2].to(gap.device)) * valid).sum() / pairs
+    return loss * scale, {"rm/loss": loss.detach(), "rm/accuracy": ((gap > 0).float() * valid).sum().detach(),
+                          "rm/margin": (gap * valid).sum().detach()}
 
 
 def _reduce_rm_metrics(outputs: list[dict], pairs: float) -> dict[str, float]:
@@ -121,9 +142,11 @@ class RewardModelEngine(MegatronEngine):
     ):
         """`weights`: an HF checkpoint dir or state dict (with `score.weight`: a reward model; without: a
         backbone, the head starts at zero), or None (random backbone from `seed`, zero head).
+        `hf_config["pad_token_id"]` sets the pooling token (the one the written checkpoint states).
         `optimizer=None` builds a frozen scorer."""
         self._build(backbone_config(hf_config), params_dtype=params_dtype, transformer_impl=transformer_impl,
                     value_head=True)
+        self.pad_token_id = hf_config.get("pad_token_id")  # the pooling rule's pad id (module docstring)
         last = self.model.chunks[-1]
         if isinstance(getattr(last, "output_layer", None), torch.nn.Module):
             last.output_layer = ScoreHead(self.model.arch.hidden_size, self.model.config.params_dtype)
@@ -172,10 +195,10 @@ class RewardModelEngine(MegatronEngine):
     # ------------------------------------------------------------------ inference
 
     def compute_scores(self, rows: Rows, *, batching: Batching) -> Tensor:
-        """Scores [B] (float32 CPU, on every rank) at the last valid token of each row."""
+        """Scores [B] (float32 CPU, on every rank) at the pooling token of each row."""
 
         def loss_fn(mb, output):
-            return output.new_zeros(()), {"scores": last_token_scores(mb, output).cpu()}
+            return output.new_zeros(()), {"scores": pooled_scores(mb, output, pad_token_id=self.pad_token_id).cpu()}
 
         shape = (rows["input_ids"].shape[0],)
         return self._forward_rows(rows, batching=batching, loss_fn=loss_fn, shapes={"scores": shape})["scores"]
@@ -185,16 +208,19 @@ class RewardModelEngine(MegatronEngine):
     def update(self, rows: Rows, settings: PreferenceUpdateSettings) -> dict[str, float]:
         """Bradley-Terry epochs x (shuffled) mini-batches of this DP rank's pairs; one optimizer step each.
 
-        `rows` holds `chosen_{input_ids,attention_mask,position_ids}` and the same for `rejected` ([N, S]).
-        Returns the mean over mini-batches of rm/{loss, accuracy, margin, grad_norm, lr}.
+        `rows` holds `chosen_{input_ids,attention_mask,position_ids}` and the same for `rejected` ([N, S]), and
+        optionally `margin` [N] (0 without). Returns the mean over mini-batches of rm/{loss, accuracy, margin,
+        grad_norm, lr}.
         """
         train = self._require_trainable()
         data = pick(rows, PAIR_KEYS)
+        data["margin"] = rows["margin"].float() if "margin" in rows else torch.zeros(len(data["chosen_input_ids"]))
         pair_batching = Batching(2 * settings.batching.micro_batch_size, None)
 
         def step(mini: dict[str, Tensor], micro: MicroBatches) -> dict[str, float]:
             pairs = float(dp_sum([mini["chosen_input_ids"].shape[0]])[0])
-            loss_fn = functools.partial(bradley_terry_loss, scale=loss_scale(len(micro)), pairs=pairs)
+            loss_fn = functools.partial(bradley_terry_loss, scale=loss_scale(len(micro)), pairs=pairs,
+                                        pad_token_id=self.pad_token_id)
             outputs, grad_norm, lr = self._optimizer_step(train, micro, loss_fn)
             return {**_reduce_rm_metrics(outputs, pairs), "rm/grad_norm": grad_norm, "rm/lr": lr}
 

@@ -1,8 +1,8 @@
 """Model architecture specs and HF <-> Megatron weight layouts (pure torch, no megatron import).
 
-`spec` says which HF families are supported (Llama, Qwen2, Qwen3, Qwen3-MoE) and their
-dimensions; `layout` converts state dicts between HF names and the full Megatron
-layout (and says which HF slices make one TP rank's shard); `sharding` splits the full Megatron layout into per-rank TP/PP/VPP/EP shards
+`spec` says which HF families are supported (Llama, Qwen2, Qwen3, Qwen3-MoE, registered in
+`megarl.registry.MODEL_SPECS`) and their dimensions; `layout` converts state dicts between HF
+names and the full Megatron layout (and says which HF slices make one TP rank's shard); `sharding` splits the full Megatron layout into per-rank TP/PP/VPP/EP shards
 and merges them back.
 """
 
@@ -30,10 +30,9 @@ from megarl.models.sharding import (
     shard_for_rank,
     tp_split_dim,
 )
-from megarl.models.spec import MODEL_SPECS, Arch, ModelSpec, arch_from_hf, get_spec, transformer_kwargs
+from megarl.models.spec import Arch, ModelSpec, arch_from_hf, get_spec, transformer_kwargs
 
 __all__ = [
-    "MODEL_SPECS",
     "TE_FUSED_NORMS",
     "Arch",
     "ModelSpec",

@@ -282,7 +282,8 @@ def random_hf_state_dict(arch: Arch, *, seed: int) -> dict[str, Tensor]:
     return state
 
 
-def _unpack_qkv(qkv: Tensor, arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
+def unpack_qkv(qkv: Tensor, arch: Arch) -> tuple[Tensor, Tensor, Tensor]:
+    """The q, k and v rows of a packed QKV tensor ([rows, ...], packed per query group), in HF order."""
     groups, hpg, d = arch.num_query_groups, arch.heads_per_group, arch.head_dim
     rest = qkv.shape[1:]
     per_group = qkv.reshape(groups, (hpg + 2) * d, *rest)
@@ -350,10 +351,10 @@ def megatron_to_hf(meg_sd: Mapping[str, Tensor], arch: Arch) -> dict[str, Tensor
             if mp + meg_name in meg_sd:
                 hf[hp + hf_name] = meg_sd[mp + meg_name].clone()
         attn = hp + "self_attn."
-        q, k, v = _unpack_qkv(meg_sd[mp + "self_attention.linear_qkv.weight"], arch)
+        q, k, v = unpack_qkv(meg_sd[mp + "self_attention.linear_qkv.weight"], arch)
         hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"] = q, k, v
         if arch.qkv_bias:
-            q, k, v = _unpack_qkv(meg_sd[mp + "self_attention.linear_qkv.bias"], arch)
+            q, k, v = unpack_qkv(meg_sd[mp + "self_attention.linear_qkv.bias"], arch)
             hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"] = q, k, v
         if arch.is_moe:
             hf[hp + "mlp.gate.weight"] = meg_sd[mp + "mlp.router.weight"].clone()

@@ -17,6 +17,15 @@ TAIL_CHARS = 300
 # number in strict mode, so it does not equal "72": the format is part of the test.
 _STRICT_ANSWER = re.compile(r"#### (-?[0-9.,]+)")
 _NUMBER = re.compile(r"-?[0-9.,]+")
+# What an extracted answer can equal: digits, at most one decimal point, no commas (they are removed).
+_GROUND_TRUTH = re.compile(r"-?[0-9]+(\.[0-9]+)?")
+
+
+def ground_truth_problem(ground_truth: object) -> str | None:
+    """Why no response could ever match `ground_truth` (e.g. "1.2.3", "1,200", "seven"), or None when one can."""
+    if _GROUND_TRUTH.fullmatch(str(ground_truth)) is None:
+        return "is not a number a response could match (digits, an optional '-' and at most one decimal point)"
+    return None
 
 
 def extract_answer(solution_str: str, method: str = "strict") -> str | None:

@@ -2,8 +2,10 @@
 
 A parser is `parser(text) -> float | None`; None means the verdict holds no score.
 Parsers are registered by name in `megarl.registry.JUDGE_PARSERS`
-(`reward.judge.parser`). `read_verdicts` applies one to a batch of verdicts and
-keeps failures visible: a verdict without a score, or with one outside the judge's
+(`reward.judge.parser`): `score_tag` (the default), `last_number`, `fraction`,
+`yes_no`. A fraction is never read as one of its numbers: only `fraction` reads
+it. `read_verdicts` applies one to a batch of verdicts and keeps failures
+visible: a verdict without a score, or with one outside the judge's
 `score_range`, gets `fail_score` and is counted; it is never a silent 0.
 """
 
@@ -16,23 +18,39 @@ from dataclasses import dataclass
 
 from megarl.registry import JUDGE_PARSERS
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBER = r"-?\d+(?:\.\d+)?"
+# A number, or a fraction "a/b" (spaces allowed around the slash): read as one item, so "7/10" is not "10".
+_NUMBER_OR_FRACTION = re.compile(rf"({_NUMBER})(?:\s*/\s*(\d+(?:\.\d+)?))?")
 _SCORE_TAG = re.compile(r"<score>\s*(-?\d+(?:\.\d+)?)\s*</score>", re.IGNORECASE)
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 
 
-@JUDGE_PARSERS.register("last_number")
-def parse_last_number(text: str) -> float | None:
-    """The last number in the verdict ("... so I give it 7/10" reads 10: prompt for the score last)."""
-    numbers = _NUMBER.findall(text)
-    return float(numbers[-1]) if numbers else None
-
-
 @JUDGE_PARSERS.register("score_tag")
 def parse_score_tag(text: str) -> float | None:
-    """The number in the last `<score>...</score>` tag."""
+    """The number in the last `<score>...</score>` tag (the default: the judge says which number is the score).
+    A tag holding anything but one number ("<score>7/10</score>") holds no score."""
     tags = _SCORE_TAG.findall(text)
     return float(tags[-1]) if tags else None
+
+
+@JUDGE_PARSERS.register("last_number")
+def parse_last_number(text: str) -> float | None:
+    """The last number in the verdict; None when the verdict ends on a fraction ("... I give it 7/10" is neither
+    7 nor 10: ask for `fraction` if the judge grades so)."""
+    items = _NUMBER_OR_FRACTION.findall(text)
+    if not items or items[-1][1]:
+        return None
+    return float(items[-1][0])
+
+
+@JUDGE_PARSERS.register("fraction")
+def parse_fraction(text: str) -> float | None:
+    """The last fraction "a/b" in the verdict, read as the number a / b ("7/10" reads 0.7: set `score_range`
+    to [0, 1]); None without one, or with b = 0."""
+    fractions = [(a, b) for a, b in _NUMBER_OR_FRACTION.findall(text) if b]
+    if not fractions or float(fractions[-1][1]) == 0:
+        return None
+    return float(fractions[-1][0]) / float(fractions[-1][1])
 
 
 @JUDGE_PARSERS.register("yes_no")

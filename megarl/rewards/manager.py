@@ -52,11 +52,12 @@ def _column(values: Sequence[Any]) -> np.ndarray:
 
 def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Per-row scores [B] -> [B, R] float32 with each score at index valid_response_length - 1, so `.sum(-1)` gives
-    them back; a row without response tokens has no token to carry its score and stays 0."""
+    them back. An empty response (no response token) keeps its score too, at index 0 of its window (outside its
+    mask, as verl's reward managers store it outside, at index -1): a format penalty for saying nothing reaches
+    the row's outcome reward, and the group baselines."""
     lengths = response_mask.sum(-1).long()
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows] - 1] = scores[rows].float()
+    out[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] = scores.float()
     return out
 
 
@@ -95,12 +96,9 @@ class RewardManager:
                 data_sources, texts, batch["reward_model"], batch["extra_info"]
             )
         ]
-        # An empty response has no token to carry a score: it is not scored and
-        # gets 0, so token_level_scores.sum(-1) always equals extra["score"].
-        scored = [index for index, length in enumerate(valid_lengths) if length > 0]
-        results = [SampleScore(0.0, {}, None)] * len(tasks)
-        for index, result in zip(scored, self.score_tasks([tasks[index] for index in scored])):
-            results[index] = result
+        # An empty response is scored like any other (its scorer may penalise it) and its score stored, so
+        # token_level_scores.sum(-1) always equals extra["score"].
+        results = self.score_tasks(tasks)
         scores = at_last_token(torch.tensor([result.score for result in results]), batch["response_mask"])
         return RewardOutput(scores, self._extra_fields(results), sum(result.error is not None for result in results))
 

@@ -27,7 +27,7 @@ GSM8K_SOURCES = ("openai/gsm8k", "megarl/arithmetic")
 MATH_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500")
 
 
-@REWARD_SCORERS.register(*GSM8K_SOURCES)
+@REWARD_SCORERS.register(*GSM8K_SOURCES, ground_truth_problem=gsm8k.ground_truth_problem)
 def _score_gsm8k(
     solution_str: str, ground_truth: str, extra_info: dict, *, method: str, format_score: float, score: float
 ) -> float:
@@ -91,6 +91,13 @@ def _bind_options(scorer: Scorer, options: Mapping[str, Any]) -> Scorer:
     declared = [name for name, param in inspect.signature(scorer).parameters.items()
                 if param.kind is inspect.Parameter.KEYWORD_ONLY]
     return functools.partial(scorer, **{name: options[name] for name in declared}) if declared else scorer
+
+
+def ground_truth_checks(custom: Mapping[str, str] = {}) -> dict[str, Callable[[Any], str | None]]:  # noqa: B006
+    """{data_source: check} for the built-in scorers that can tell a ground truth no response could match (a
+    source whose scorer `custom` replaces is the user's to judge)."""
+    return {source: REWARD_SCORERS.get(source).meta["ground_truth_problem"] for source in REWARD_SCORERS
+            if source not in custom and "ground_truth_problem" in REWARD_SCORERS.get(source).meta}
 
 
 def check_data_sources(sources: Iterable[str], scorers: Mapping[str, Scorer]) -> None:

@@ -17,8 +17,9 @@ deduplicate the retries of one row.
 Failures: a connection error, a timeout, or HTTP 408, 429 or 5xx is retried after
 `backoff_s`, doubling, up to `retries` times; any other status, or a 200 without a
 finite score, fails the row at once (repeating the request cannot fix it). A row
-that has failed is reported with its uid and sample by `RemoteRewardError`, never
-scored 0.
+that has failed is reported with its uid and sample (`RemoteRewardError`, or the
+failures `gather_scores` returns), never scored 0; the reward loop then fails the
+step or drops the row (`reward.remote.on_failure`).
 """
 
 from __future__ import annotations
@@ -124,15 +125,22 @@ class RemoteRewardClient:
         self._loop.close()
 
 
-def collect_scores(rows: Sequence[Mapping[str, Any]], futures: Sequence[concurrent.futures.Future]) -> list[float]:
-    """The scores of `futures` (one per row), waiting for all; one RemoteRewardError naming every failed row."""
+def gather_scores(futures: Sequence[concurrent.futures.Future]) -> tuple[list[float], list[tuple[str, int, str]]]:
+    """The scores of `futures` (one per row, NaN where the row failed), waiting for all, and the failures as
+    (uid, sample, last error)."""
     scores, failures = [], []
-    for row, future in zip(rows, futures):
+    for future in futures:
         try:
             scores.append(future.result())
         except RemoteRewardError as error:
             failures += error.failures
             scores.append(math.nan)
+    return scores, failures
+
+
+def collect_scores(rows: Sequence[Mapping[str, Any]], futures: Sequence[concurrent.futures.Future]) -> list[float]:
+    """The scores of `futures` (one per row), waiting for all; one RemoteRewardError naming every failed row."""
+    scores, failures = gather_scores(futures)
     if failures:
         raise RemoteRewardError(failures)
     return scores

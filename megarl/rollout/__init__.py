@@ -5,6 +5,7 @@
 - `client.RolloutClient`: async HTTP client (blocking facade) for a fleet of
   SGLang-protocol servers: generation and weight updates.
 - `dispatch`: sending prompt groups with retries, every row exactly once.
+- `sampling`: the `/generate` body from the run's `SamplingSettings`, with per-sample seeds.
 - `batching`: prompts out of a generation Batch, responses back into one.
 - `results`: `GenerationResult` and `results_to_tensors` for the controller.
 - `server`: launching a server subprocess (`start_cpu_engine`) and waiting for health.

@@ -7,10 +7,9 @@ consecutive in the result, prompts in order). Requests go to the server with
 the fewest requests assigned (round-robin on ties), with at most
 `max_concurrency` in flight per server.
 
-Determinism: with `seed`, sample j of prompt i is sent with its own
-`sampling_seed = seed * 1000003 + i * n + j`, so results do not depend on how
-requests are spread over servers or batched inside them. (One seed for all n
-copies would make SGLang draw n identical samples.)
+Determinism: with `seed`, sample j of prompt i is row i * n + j of the call and
+gets that row's own `sampling_seed` (`megarl.rollout.sampling`), so results do not
+depend on how requests are spread over servers or batched inside them.
 
 All network work runs on a private event loop in a background thread: the
 blocking methods work from plain code and from inside other event loops.
@@ -28,56 +27,15 @@ from typing import Any, Coroutine, TypeVar
 import aiohttp
 import torch
 
+from megarl.config.settings import SamplingSettings
 from megarl.rollout.results import GenerationResult, parse_output, results_to_tensors
+from megarl.rollout.sampling import generate_body
 from megarl.rollout.weight_wire import LOAD_FORMATS, entries_for_tp_ranks, flatten_bucket
 
 # results_to_tensors is re-exported: callers take the client and its packing helper from one place.
 __all__ = ["GenerationResult", "RolloutClient", "RolloutError", "results_to_tensors"]
 
 T = TypeVar("T")
-SEED_STRIDE = 1_000_003
-SEED_MODULUS = 2**63 - 1
-
-
-def generate_body(
-    prompt: list[int], index: int, *, n: int, sampling: dict[str, Any], seed: int | None, return_logprob: bool
-) -> dict[str, Any]:
-    """The `/generate` body for prompt number `index`: its n samples as a batch of n copies, each with its own seed."""
-    params = [dict(sampling) for _ in range(n)]
-    if seed is not None:
-        for sample, item in enumerate(params):
-            item["sampling_seed"] = (seed * SEED_STRIDE + index * n + sample) % SEED_MODULUS
-    if n == 1:
-        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": return_logprob}
-    return {"input_ids": [list(prompt)] * n, "sampling_params": params, "return_logprob": return_logprob}
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How `RolloutClient.generate` samples: temperature 0 is greedy, top_k -1 is off; with `seed`, every sample
-    gets its own `sampling_seed` (module docstring)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    n: int = 1
-    stop_token_ids: tuple[int, ...] | list[int] | None = None
-    seed: int | None = None
-    return_logprob: bool = True
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-
-    def params(self) -> dict[str, Any]:
-        """SGLang's `sampling_params` (without the per-sample seed)."""
-        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                                  "top_p": self.top_p, "top_k": self.top_k, "ignore_eos": self.ignore_eos}
-        if self.stop_token_ids:
-            params["stop_token_ids"] = list(self.stop_token_ids)
-        return params
 
 
 class RolloutError(RuntimeError):
@@ -128,19 +86,19 @@ class RolloutClient:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], **sampling: Any) -> list[GenerationResult]:
-        """Generate `n` samples per prompt; returns len(prompts) * n results, prompt-major.
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, *, n: int = 1, seed: int | None = None,
+                 return_logprob: bool = True) -> list[GenerationResult]:
+        """Generate `n` samples per prompt with `sampling` (each with its own seed when `seed` is given); returns
+        len(prompts) * n results, prompt-major. Raises RolloutError when a server fails."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        return self.run(self._generate(prompts, sampling, n=n, seed=seed, return_logprob=return_logprob))
 
-        `sampling`: the fields of `Sampling` (max_new_tokens required). Raises RolloutError when a server fails.
-        """
-        return self.run(self._generate(prompts, Sampling(**sampling)))
-
-    async def _generate(self, prompts: list[list[int]], sampling: Sampling) -> list[GenerationResult]:
-        n, seed, return_logprob = sampling.n, sampling.seed, sampling.return_logprob
-        params = sampling.params()
-
+    async def _generate(self, prompts: list[list[int]], sampling: SamplingSettings, *, n: int, seed: int | None,
+                        return_logprob: bool) -> list[GenerationResult]:
         async def one(index: int, prompt: list[int]) -> list[GenerationResult]:
-            body = generate_body(prompt, index, n=n, sampling=params, seed=seed, return_logprob=return_logprob)
+            body = generate_body(prompt, range(index * n, index * n + n), sampling=sampling, seed=seed,
+                                 return_logprob=return_logprob)
             server = self._pick_server()
             try:
                 async with server.slots:

@@ -10,8 +10,8 @@ answer is the request's fault and fails the call at once. Each row's result is
 stored once; the attempts per request are bounded.
 
 Every row has its own sampling seed derived from the call's seed and the row
-index (the client's formula), so a retried sample on another server is the
-same sample.
+index (`megarl.rollout.sampling`, the client's bodies too), so a retried sample on
+another server is the same sample.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable, Protocol
 
-from megarl.rollout.client import SEED_MODULUS, SEED_STRIDE, RolloutError
+from megarl.config.settings import SamplingSettings
+from megarl.rollout.client import RolloutError
 from megarl.rollout.results import GenerationResult, parse_output
+from megarl.rollout.sampling import generate_body
 
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
@@ -46,22 +48,6 @@ class Targets(Protocol):
         """A request to `target` failed as unreachable/5xx: check it (and restart it if it is dead)."""
 
 
-def sample_seed(seed: int, row: int) -> int:
-    """The sampling seed of row `row` (equal to RolloutClient's seed of prompt `row` with n=1)."""
-    return (seed * SEED_STRIDE + row) % SEED_MODULUS
-
-
-def group_body(prompt: list[int], rows: list[int], *, sampling: dict[str, Any], seed: int | None) -> dict[str, Any]:
-    """One `/generate` body for `rows` (all with `prompt`): a batch of copies, each with its row's seed."""
-    params = [dict(sampling) for _ in rows]
-    if seed is not None:
-        for item, row in zip(params, rows):
-            item["sampling_seed"] = sample_seed(seed, row)
-    if len(rows) == 1:
-        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": True}
-    return {"input_ids": [list(prompt)] * len(rows), "sampling_params": params, "return_logprob": True}
-
-
 def is_retryable(error: RolloutError) -> bool:
     return error.status is None or error.status in RETRYABLE_STATUS
 
@@ -70,7 +56,7 @@ async def generate_rows(
     prompts: list[list[int]],
     groups: list[list[int]],
     *,
-    sampling: dict[str, Any],
+    sampling: SamplingSettings,
     seed: int | None,
     targets: Targets,
     request: Request,
@@ -92,7 +78,7 @@ async def generate_rows(
         pending, attempt = list(rows), 0
         while pending:
             attempt += 1
-            body = group_body(prompts[pending[0]], pending, sampling=sampling, seed=seed)
+            body = generate_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, return_logprob=True)
             target = await targets.acquire()
             try:
                 reply = await request(target.url, "POST", "/generate", body)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from megarl.config.settings import SamplingSettings
 from megarl.errors import InputError
 from megarl.protocol import Batch
 from megarl.rollout.batching import prompt_groups, prompt_token_lists, rollout_batch
@@ -58,6 +59,7 @@ from megarl.rollout.router import RouterError, RouterHandle, start_router
 from megarl.rollout.server_host import (
     LOOPBACK,
     HostPlacement,
+    ServerHost,
     ServerSpec,
     bind_address,
     current_node_id,
@@ -89,13 +91,8 @@ class RolloutFleet:
         spec: ServerSpec,
         *,
         num_servers: int,
-        max_response_length: int,
         pad_token_id: int,
-        stop_token_ids: list[int] | None = None,
         seed: int = 0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        ignore_eos: bool = False,
         max_concurrency: int = 256,
         routing: str = "client",
         router_policy: str = "cache_aware",
@@ -113,12 +110,7 @@ class RolloutFleet:
         if spec.backend == "sglang":
             passthrough_args(spec.sglang_args)  # a bad recipe block fails before any process starts
         self.spec = spec
-        self.max_response_length, self.pad_token_id = max_response_length, pad_token_id
-        self.sampling = {"max_new_tokens": max_response_length, "top_p": top_p, "top_k": top_k}
-        if stop_token_ids:
-            self.sampling["stop_token_ids"] = list(stop_token_ids)
-        if ignore_eos:  # every response max_response_length tokens long (SGLang ignores the stop tokens too)
-            self.sampling["ignore_eos"] = True
+        self.pad_token_id = pad_token_id
         self.seed, self.max_concurrency = seed, max_concurrency
         self.max_restarts, self.max_attempts, self.startup_timeout_s = max_restarts, max_attempts, startup_timeout_s
         self._weight_lock = threading.Lock()
@@ -169,9 +161,11 @@ class RolloutFleet:
         return [{"index": s.index, "url": s.url, "pid": s.pid, "state": s.state, "restarts": s.restarts,
                  "failure": s.failure} for s in self._servers]
 
-    def generate(self, gen_batch: Batch, *, temperature: float, seed: int,
+    def generate(self, gen_batch: Batch, sampling: SamplingSettings, *, seed: int,
                  on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None) -> Batch:
-        """Responses, full sequences, engine log-probs and finish reasons for every row of `gen_batch`.
+        """Responses (at most `sampling.max_new_tokens`, right-padded to it), full sequences, engine log-probs and
+        finish reasons for every row of `gen_batch`, sampled with `sampling`; `seed` and the fleet's own seed
+        give every row its sampling seed.
 
         `on_rows(rows, results)` is told about rows as soon as they finish (the reward loop scores them
         while the others generate); it runs on the client's event loop and must only queue work."""
@@ -181,8 +175,7 @@ class RolloutFleet:
             if self._generation_stopped:
                 raise GenerationInterrupted("generation was stopped: the run is shutting down")
             self._generation = self._client.submit(self._generate_rows(
-                prompts, groups, sampling={**self.sampling, "temperature": temperature},
-                seed=self.seed * 100_003 + seed, on_rows=on_rows,
+                prompts, groups, sampling=sampling, seed=self.seed * 100_003 + seed, on_rows=on_rows,
             ))
         try:
             results = self._generation.result()
@@ -190,7 +183,8 @@ class RolloutFleet:
             raise GenerationInterrupted("generation was stopped: the run is shutting down") from None
         finally:
             self._generation = None
-        return rollout_batch(gen_batch, results, pad_id=self.pad_token_id, max_response_length=self.max_response_length)
+        return rollout_batch(gen_batch, results, pad_id=self.pad_token_id,
+                             max_response_length=sampling.max_new_tokens)
 
     def stop_generating(self) -> None:
         """Cancel the generation in flight and refuse later ones (from any thread)."""
@@ -200,7 +194,7 @@ class RolloutFleet:
                 self._generation.cancel()
 
     async def _generate_rows(
-        self, prompts: list[list[int]], groups: list[list[int]], *, sampling: dict[str, Any], seed: int,
+        self, prompts: list[list[int]], groups: list[list[int]], *, sampling: SamplingSettings, seed: int,
         on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
     ) -> list[GenerationResult]:
         # Checks before and after: a server may have died while idle, and the router
@@ -250,7 +244,7 @@ class RolloutFleet:
         its GPUs, and when no server reports."""
         if self.spec.backend != "cpu":
             return None
-        peaks = [peak for server in self._servers if (peak := server.host.call("peak_memory_gb")) is not None]
+        peaks = [peak for server in self._servers if (peak := server.host.call(ServerHost.peak_memory_gb)) is not None]
         return max(peaks, default=None)
 
     def server_devices(self, urls: list[str]) -> list[list[str]] | None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.rollout.server import ServerStartError, wait_healthy
+from megarl.rollout.server_host import ServerHost
 
 UP, STARTING, RESTARTING, DEAD = "up", "starting", "restarting", "dead"
 # uvicorn: "[Errno 98] ... address already in use"; other servers: "port N is already in use".
@@ -47,7 +48,7 @@ class FleetMember:
 
     def start(self, *, restart: bool = False, any_port: bool = False) -> dict[str, Any]:
         """Start (or stop and start) the process; returns the host's `url`, `pid` and `node`."""
-        info = self.host.call("restart" if restart else "start", any_port)
+        info = self.host.call(ServerHost.restart if restart else ServerHost.start, any_port)
         self.url, self.pid = info["url"], info["pid"]
         return info
 
@@ -65,7 +66,7 @@ class FleetMember:
     def alive(self) -> bool:
         """The process runs and `/model_info` answers (see the module docstring for why not `/health`)."""
         try:
-            if self.host.call("exit_code") is not None:
+            if self.host.call(ServerHost.exit_code) is not None:
                 return False
             self.model_info(self.api_key)
             return True
@@ -74,7 +75,7 @@ class FleetMember:
 
     def log_tail(self) -> str:
         try:
-            return self.host.call("log_tail")
+            return self.host.call(ServerHost.log_tail)
         except Exception as error:  # noqa: BLE001 - the host itself may be gone
             return f"(log unavailable: {error})"
 
@@ -85,7 +86,7 @@ class FleetMember:
             return json.loads(reply.read())
 
     def _wait(self, timeout_s: float, what: str, api_key: str | None) -> None:
-        wait_healthy(self.url, exit_code=lambda: self.host.call("exit_code"), log_tail=self.log_tail,
+        wait_healthy(self.url, exit_code=lambda: self.host.call(ServerHost.exit_code), log_tail=self.log_tail,
                      timeout_s=timeout_s, what=what, interval_s=0.25)
         # `/health` may be answered by another run's server that holds the port while ours is
         # still loading (it binds only after that): a server that refuses our key is not ours.

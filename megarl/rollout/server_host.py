@@ -19,7 +19,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from megarl.ports import free_port, port_is_free
 from megarl.processes import shield_ray_actor
@@ -195,8 +195,9 @@ class LocalHost:
     def __init__(self, host: ServerHost):
         self._host = host
 
-    def call(self, method: str, *args: Any) -> Any:
-        return getattr(self._host, method)(*args)
+    def call(self, method: Callable, *args: Any) -> Any:
+        """`method` (a method of `ServerHost`, named by itself: `host.call(ServerHost.exit_code)`) on the host."""
+        return getattr(self._host, _host_method(method))(*args)
 
     def close(self) -> None:
         self._host.close()
@@ -208,19 +209,28 @@ class RayHost:
     def __init__(self, actor: Any):
         self._actor = actor
 
-    def call(self, method: str, *args: Any, timeout_s: float = 120.0) -> Any:
+    def call(self, method: Callable, *args: Any, timeout_s: float = 120.0) -> Any:
+        """`method` (a method of `ServerHost`, named by itself) on the actor, waiting at most `timeout_s`."""
         import ray
 
-        return ray.get(getattr(self._actor, method).remote(*args), timeout=timeout_s)
+        return ray.get(getattr(self._actor, _host_method(method)).remote(*args), timeout=timeout_s)
 
     def close(self) -> None:
         import ray
 
         try:
-            self.call("close", timeout_s=60.0)
+            self.call(ServerHost.close, timeout_s=60.0)
         except Exception:  # noqa: BLE001 - the actor may already be gone; killing it below is what matters
             pass
         ray.kill(self._actor)
+
+
+def _host_method(method: Callable) -> str:
+    """The name of `method` once it is known to be a method of `ServerHost` (a string is refused)."""
+    name = getattr(method, "__name__", None)
+    if not isinstance(name, str) or getattr(ServerHost, name, None) is not method:
+        raise TypeError(f"a server host is called with a method of ServerHost (e.g. ServerHost.start), got {method!r}")
+    return name
 
 
 def start_hosts(spec: ServerSpec, num_servers: int, *, use_ray: bool,

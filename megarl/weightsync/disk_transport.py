@@ -21,6 +21,7 @@ import torch
 
 from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.rollout.client import RolloutClient
+from megarl.weightsync.bounds import SyncBound, disk_seconds
 from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.plan import Bucket
 from megarl.weightsync.session import call_servers
@@ -32,7 +33,12 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-@WEIGHT_SYNC_TRANSPORTS.register("disk")
+def _disk_bound(nbytes: int, *, bucket_bytes: int, scratch_dir: Path, device: str) -> float:
+    # Writing the bytes once (no fsync, as the transport) and reading them back once.
+    return disk_seconds(nbytes, scratch_dir)
+
+
+@WEIGHT_SYNC_TRANSPORTS.register("disk", bound=SyncBound("disk write + read", _disk_bound))
 class DiskTransport:
     name = "disk"
 

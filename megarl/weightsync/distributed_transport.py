@@ -37,6 +37,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
@@ -47,6 +48,7 @@ from megarl.ports import free_port
 from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.weight_wire import wire_dtype
+from megarl.weightsync.bounds import SyncBound, broadcast_seconds
 from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.plan import Bucket
 from megarl.weightsync.session import WeightSyncError, call_servers, server_tp_sizes
@@ -56,9 +58,17 @@ Tensor = torch.Tensor
 MAX_PENDING = 2  # bucket replies awaited at once: bounds the buckets a server holds received but not applied
 
 
+def _broadcast_bound(nbytes: int, *, bucket_bytes: int, scratch_dir: Path, device: str) -> float:
+    # The same bytes in the same bucket-sized pieces, broadcast between two fresh processes (NCCL on two GPUs).
+    pieces = [bucket_bytes] * (nbytes // bucket_bytes) + ([nbytes % bucket_bytes] if nbytes % bucket_bytes else [])
+    multi_gpu = device == "cuda" and torch.cuda.device_count() >= 2
+    return broadcast_seconds(pieces, backend="nccl" if multi_gpu else "gloo")
+
+
 @WEIGHT_SYNC_TRANSPORTS.register(
     "distributed",
     refuses_colocation="a sender and a server TP rank on one GPU would join one NCCL communicator, which NCCL refuses",
+    bound=SyncBound("broadcast (2 processes)", _broadcast_bound),
 )
 class DistributedTransport:
     name = "distributed"

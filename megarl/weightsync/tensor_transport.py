@@ -21,11 +21,14 @@ Payloads are pickles: only send to servers you trust (SGLang's own property).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.weight_wire import entries_for_tp_ranks, flattened_payload, serialize_payload, tensor_metadata
+from megarl.weightsync.bounds import SyncBound, memcpy_seconds
 from megarl.weightsync.buffers import BufferRing
 from megarl.weightsync.groups import device_for
 from megarl.weightsync.plan import Bucket
@@ -35,8 +38,14 @@ Tensor = torch.Tensor
 ServerDevices = list[list[str]]  # per server (in URL order), the device UUID of each TP rank
 
 
+def _memcpy_bound(nbytes: int, *, bucket_bytes: int, scratch_dir: Path, device: str) -> float:
+    # At best a server copies the bytes once out of the buffer the trainer filled.
+    return memcpy_seconds(nbytes)
+
+
 @WEIGHT_SYNC_TRANSPORTS.register(
     "tensor", needs_colocation="tensor handles only reach colocated engines",
+    bound=SyncBound("memcpy (1 thread)", _memcpy_bound),
 )
 class TensorTransport:
     name = "tensor"
