@@ -38,8 +38,6 @@ TWO_HOSTS = ["placement.nodes=2", "placement.colocate=false",
              "placement.pools={train: {nodes: 1, gpus_per_node: 1}, gen: {nodes: 1, gpus_per_node: 1}}",
              "placement.roles={actor: train, rollout: gen}", "weight_sync.transport=distributed", "rollout.host=node",
              "trainer.checkpoint.preempt_timeout_s=30"]
-# Ray's own start-up deadlines, for 2 cores shared by two Ray nodes (and, on a development machine, more).
-SLOW_MACHINE = ("--env", "RAY_raylet_start_wait_time_s=300", "--env", "RAY_agent_register_timeout_ms=300000")
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")
 CONTRACT_KEYS = ["critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "actor/entropy",
                  "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
@@ -64,7 +62,7 @@ def _megarl(cluster, *args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def _submit(cluster, tmp_path: Path, name: str, *overrides: str, extra: tuple[str, ...] = ()) -> SimpleNamespace:
     sets = [f"trainer.output_dir={tmp_path / 'runs'}", f"name={name}", *SHORT, *overrides]
-    argv = ["submit", QUICKSTART, *extra, *SLOW_MACHINE, *(arg for item in sets for arg in ("--set", item))]
+    argv = ["submit", QUICKSTART, *extra, *(arg for item in sets for arg in ("--set", item))]
     submitted = _megarl(cluster, *argv, cwd=tmp_path)
     assert submitted.returncode == 0, submitted.stderr
     job_id = next(line for line in submitted.stdout.splitlines() if line.startswith("submitted job")).split()[2]
