@@ -25,6 +25,14 @@ two versions of the loader can be checked to load the same weights.
 to this one's; e.g. the loader of commit 4ec748d, measured with this script and
 `PYTHONPATH` pointing at a checkout of that commit.
 
+It also gives, per rank, how much of the checkpoint its load brought into the page
+cache ("read MiB"): before each rank's turn the file's cached pages are dropped
+(`POSIX_FADV_DONTNEED`; the file was synced after writing), after the load they are
+counted (`mincore`). A rank whose reads are exact reads its own shard and no more
+(a few pages of rounding per row); a rank that maps the file and slices columns
+faults in whole rows of the row-parallel tensors (`o_proj`, `down_proj`), which at
+TP2 is their other half too.
+
 Measured on 2 shared cores (torch 2.13 CPU, megatron-core 0.16.1), default model:
 every rank's shard is 455 MiB. The old loader (4ec748d: every rank reads the whole
 checkpoint and builds the full Megatron state dict) peaked at 4549 MiB extra per
@@ -72,6 +80,41 @@ def _reset_peak_rss() -> None:
         handle.write("5")
 
 
+def drop_cached_pages(path: str) -> None:
+    """Evict the file's pages from the page cache (they are clean: the file was synced after writing)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached_bytes(path: str) -> int:
+    """Bytes of the file now in the page cache (mincore over a mapping that touches no page)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vector = (ctypes.c_ubyte * pages)()
+        try:
+            if libc.mincore(address, size, vector) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(page & 1 for page in vector) * mmap.PAGESIZE
+
+
 def load_rank(rank: int, port: int, config: dict, checkpoint: str, out: str) -> None:
     """One TP2 x PP2 rank: build the bf16 chunks, wait for its turn, load, record memory and a digest."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -92,6 +135,10 @@ def load_rank(rank: int, port: int, config: dict, checkpoint: str, out: str) -> 
         torch.distributed.barrier()
         if turn != rank:
             continue
+        files = sorted(str(path) for path in Path(checkpoint).glob("*.safetensors"))
+        for file in files:
+            drop_cached_pages(file)
+        cached_before = sum(cached_bytes(file) for file in files)
         _reset_peak_rss()
         before = _status_kib("VmRSS")
         start = time.perf_counter()
@@ -100,6 +147,7 @@ def load_rank(rank: int, port: int, config: dict, checkpoint: str, out: str) -> 
         peak = _status_kib("VmHWM")
         result = {"rank": rank, "shard_bytes": shard_bytes, "rss_before_kib": before, "peak_kib": peak,
                   "after_kib": _status_kib("VmRSS"), "seconds": seconds,
+                  "read_bytes": sum(cached_bytes(file) for file in files) - cached_before,
                   "digest": sum(float(p.detach().double().sum()) for p in params)}
     torch.distributed.barrier()
     Path(f"{out}.{rank}").write_text(json.dumps(result))
@@ -124,6 +172,9 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         write_checkpoint(config, workdir / "model")
+        for file in (workdir / "model").glob("*.safetensors"):  # clean pages: each turn can drop them
+            with open(file, "rb+") as handle:
+                os.fsync(handle.fileno())
         driver_before = _status_kib("VmRSS")
         _reset_peak_rss()
         out = workdir / "rank"
@@ -142,10 +193,11 @@ def main() -> None:
     report(figures, baseline)
 
 
-def _rank_cells(rank: dict) -> tuple[float, float, float]:
+def _rank_cells(rank: dict) -> tuple[float, float, float, str]:
     extra_mb = (rank["peak_kib"] - rank["rss_before_kib"]) / 1024
     shard_mb = rank["shard_bytes"] / 2**20
-    return extra_mb, extra_mb / shard_mb, rank["seconds"]
+    read = f"{rank['read_bytes'] / 2**20:.0f}" if "read_bytes" in rank else "-"  # runs before the figure existed
+    return extra_mb, extra_mb / shard_mb, rank["seconds"], read
 
 
 def report(figures: dict, baseline: dict | None) -> None:
@@ -156,18 +208,18 @@ def report(figures: dict, baseline: dict | None) -> None:
           f"{config['intermediate_size']}, vocab {config['vocab_size']}: {figures['params'] / 1e9:.2f}B parameters, "
           f"{2 * figures['params'] / 2**30:.2f} GiB in bf16")
     print()
-    old = " old extra MiB | old x shard | old s |" if baseline else ""
-    print(f"| rank | shard MiB |{old} extra MiB | x shard | s |")
-    print("|---:|---:|" + ("---:|---:|---:|" if baseline else "") + "---:|---:|---:|")
+    old = " old extra MiB | old x shard | old read MiB | old s |" if baseline else ""
+    print(f"| rank | shard MiB |{old} extra MiB | x shard | read MiB | s |")
+    print("|---:|---:|" + ("---:|---:|---:|---:|" if baseline else "") + "---:|---:|---:|---:|")
     verdicts = []
     for index, rank in enumerate(ranks):
-        extra, ratio, seconds = _rank_cells(rank)
+        extra, ratio, seconds, read = _rank_cells(rank)
         cells = ""
         if baseline:
-            old_extra, old_ratio, old_seconds = _rank_cells(baseline["ranks"][index])
-            cells = f" {old_extra:.0f} | {old_ratio:.2f} | {old_seconds:.1f} |"
+            old_extra, old_ratio, old_seconds, old_read = _rank_cells(baseline["ranks"][index])
+            cells = f" {old_extra:.0f} | {old_ratio:.2f} | {old_read} | {old_seconds:.1f} |"
         shard_mib = rank["shard_bytes"] / 2**20
-        print(f"| {rank['rank']} | {shard_mib:.0f} |{cells} {extra:.0f} | {ratio:.2f} | {seconds:.1f} |")
+        print(f"| {rank['rank']} | {shard_mib:.0f} |{cells} {extra:.0f} | {ratio:.2f} | {read} | {seconds:.1f} |")
         verdicts.append(ratio <= TARGET)
     print()
     line = (f"driver RSS: {drv['before_kib'] / 1024:.0f} MiB before, {drv['after_kib'] / 1024:.0f} MiB after, "

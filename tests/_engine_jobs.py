@@ -14,10 +14,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+
 from _engine_spawn import run_spawned
 from _settings import FULL_PPO_LOSS
 from _tiny import padded_sequences, tiny_model
 from _engine_workers import checkpoint_outputs, matrix_outputs
+from megarl.data.padding import position_ids_from_mask
 
 # The families and their overrides of tests/_tiny.py's sizes; the first one also runs a PPO update per layout.
 MATRIX_MODELS = {
@@ -46,7 +48,7 @@ def _matrix_batch() -> dict:
     for row, (left_pad, right_pad) in enumerate(pads):
         mask[row, :left_pad] = 0
         mask[row, PROMPT + RESPONSE - right_pad :] = 0
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = position_ids_from_mask(mask)
     loss_mask = mask.clone()
     loss_mask[:, :PROMPT] = 0
     response_mask = mask[:, PROMPT:].clone()

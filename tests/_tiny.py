@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from megarl.data.padding import position_ids_from_mask
+
 TINY = dict(
     vocab_size=300,
     hidden_size=64,
@@ -23,6 +25,13 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=False, head_dim=16)),
 }
+
+# The model the rollout tests' CPU-engine servers serve (fleet, client, router): the builtin tokenizer's
+# 512-token vocabulary and HF's default initialisation.
+SERVED = dict(vocab_size=512, intermediate_size=128, max_position_embeddings=256, initializer_range=0.02)
+# The GPU engine tests' Qwen3: large enough for bf16 kernels to differ from fp32 ones, head_dim 32.
+GPU_QWEN3 = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, initializer_range=0.1)
 
 
 def tiny_config(family: str, **overrides):
@@ -41,6 +50,11 @@ def tiny_model(family: str, *, seed: int, randomise_norms: bool = False, **overr
                 if "norm" in name or name.endswith("bias"):
                     param.normal_()
     return model
+
+
+def served_model(seed: int):
+    """The rollout tests' served Llama (`SERVED`), weights from `seed`."""
+    return tiny_model("llama", seed=seed, **SERVED)
 
 
 def greedy_continuation(model, prompt: list[int], steps: int) -> list[int]:
@@ -65,7 +79,7 @@ def padded_sequences(generator: torch.Generator, *, rows: int, prompt: int, resp
     for row, (left_pad, length) in enumerate(UNEVEN_ROWS[:rows]):
         mask[row, :left_pad] = 0
         mask[row, prompt + length :] = 0
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
             "response_mask": mask[:, prompt:].clone()}
 
 

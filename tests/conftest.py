@@ -1,8 +1,10 @@
-"""Shared test fixtures: one Ray cluster per test session, CPU-only environment.
+"""Shared test fixtures: one Ray cluster per test session, the in-repo tokenizer, the warmed-up quickstart
+model, a CPU-only environment.
 
 Ray is started lazily by the `ray_session` fixture the first time a test asks
 for it, on loopback with a private temp dir, and stopped by PID (through
-`ray.shutdown`) when the session ends.
+`ray.shutdown`) when the session ends. A module's CPU-engine servers come from
+`cpu_engine`, the tiny models they serve from `tests/_tiny.py`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,35 @@ def ray_session():
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The in-repo ("builtin") tokenizer, loaded once per session (tests only read it)."""
+    from megarl.data.tokenizer import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(tmp_path_factory):
+    """Starts the module's CPU-engine servers: `cpu_engine(model_dir, **options)` is `start_cpu_engine`'s
+    handle (healthy), with its log in a temp dir unless `log_path` is given; every server started is stopped
+    when the module ends, and its process is seen to exit."""
+    from megarl.rollout.server import start_cpu_engine
+
+    logs = tmp_path_factory.mktemp("cpu_engine_logs")
+    handles = []
+
+    def start(model_dir, **options):
+        options.setdefault("log_path", logs / f"server-{len(handles)}.log")
+        handles.append(start_cpu_engine(model_dir, **options))
+        return handles[-1]
+
+    yield start
+    for handle in handles:
+        handle.stop()
+    assert all(handle.process.poll() is not None for handle in handles)
 
 
 @pytest.fixture(scope="session")

@@ -13,14 +13,8 @@ from megarl.data.dataset import PromptLoader, RLDataset
 from megarl.data.padding import left_pad, position_ids_from_mask, right_pad
 from megarl.data.rows import make_row, write_rows
 from megarl.data.synthetic import arithmetic_rows, write_arithmetic_dataset
-from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
 from megarl.protocol import Batch
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 def test_left_and_right_pad():

@@ -21,6 +21,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from _engine_spawn import run_spawned
 from _engine_workers import moe_outputs
 from _tiny import hf_sft_backward
+from megarl.data.padding import position_ids_from_mask
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one shared multi-process job, 20-50 s
 
@@ -60,7 +61,7 @@ def _batch() -> dict:
     return {
         "input_ids": input_ids,
         "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "position_ids": position_ids_from_mask(mask),
         "loss_mask": loss_mask,
     }
 

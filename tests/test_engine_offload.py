@@ -18,6 +18,7 @@ import torch
 
 from _engine_spawn import run_spawned
 from _engine_workers import offload_cycle
+from megarl.data.padding import position_ids_from_mask
 
 CONFIG = {"model_type": "qwen2", "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
@@ -31,7 +32,7 @@ def _batch() -> dict:
     mask = torch.ones_like(input_ids)
     mask[1, :2] = 0
     mask[2, PROMPT + 3:] = 0
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
             "response_mask": mask[:, PROMPT:].clone(), "old_log_probs": -6.2 + 0.3 * torch.randn(ROWS, RESPONSE,
                                                                                                  generator=gen),
             "advantages": torch.randn(ROWS, RESPONSE, generator=gen)}

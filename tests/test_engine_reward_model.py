@@ -164,9 +164,8 @@ def test_with_pad_equal_to_eos_the_score_is_read_before_the_trailing_eos(job):
     assert (hf - per_token[:, -1]).abs().min() > 1e-3
 
 
-def test_retemplating_renders_the_reward_models_chat_template(job):
+def test_retemplating_renders_the_reward_models_chat_template(job, tokenizer):
     _, rows, _ = job
-    tokenizer = load_tokenizer()
     shared = tokenizer.decode(rows["shared"]["input_ids"][0][rows["shared"]["attention_mask"][0].bool()])
     other = tokenizer.decode(rows["retemplated"]["input_ids"][0][rows["retemplated"]["attention_mask"][0].bool()])
     assert shared == ('<|im_start|>user\nAnswer after "####". 07+45=?<|im_end|>\n<|im_start|>assistant\n'

@@ -17,12 +17,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from _engine_spawn import run_spawned
 from _engine_workers import layer_specs_side_by_side
+from _tiny import GPU_QWEN3
+from megarl.data.padding import position_ids_from_mask
 
 pytestmark = pytest.mark.gpu
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
-CONFIG = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, initializer_range=0.1)
+CONFIG = GPU_QWEN3
 ROWS, SEQ = 4, 12
 
 
@@ -47,7 +48,7 @@ def _batch() -> dict:
     mask[3, SEQ - 4:] = 0  # right padding
     loss_mask = mask.clone()
     loss_mask[:, :4] = 0
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
             "loss_mask": loss_mask}
 
 

@@ -15,7 +15,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from _engine_spawn import run_spawned
 from _lora_workers import lora_specs_side_by_side
-from _tiny import padded_sequences
+from _tiny import GPU_QWEN3, padded_sequences
 from megarl.config.settings import LoraSettings
 from megarl.models import arch_from_hf
 from megarl.models.lora import TARGETS, initial_adapters
@@ -23,8 +23,7 @@ from megarl.models.lora import TARGETS, initial_adapters
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 HAS_TE = importlib.util.find_spec("transformer_engine") is not None
-CONFIG = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, tie_word_embeddings=False, initializer_range=0.1)
+CONFIG = GPU_QWEN3
 SETTINGS = LoraSettings(rank=8, alpha=16.0, dropout=0.0, targets=tuple(TARGETS), init="kaiming", seed=0)
 
 

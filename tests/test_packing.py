@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _engine_jobs import LAYOUTS, MATRIX_MODELS, PROMPT, WORLD_SIZE, matrix_job
+from megarl.data.padding import position_ids_from_mask
 from megarl.engines.packing import first_fit_decreasing, pack_rows, padding_fraction, split_to_count
 
 
@@ -43,7 +44,7 @@ def _padded_batch() -> dict:
     return {
         "input_ids": input_ids,
         "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "position_ids": position_ids_from_mask(mask),
         "response_mask": mask[:, 3:],
     }
 

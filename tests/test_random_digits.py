@@ -10,16 +10,10 @@ import pytest
 from megarl.config import load_recipe
 from megarl.data.dataset import RLDataset
 from megarl.data.random_digits import DATA_SOURCE, write_random_digits_dataset
-from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
 from megarl.rewards.registry import build_scorers
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("builtin")
 
 
 @pytest.mark.parametrize("length", [9, 48, 200])

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from megarl.controller.judge import JudgeScorer
 from megarl.controller.reward_loop import ModelSide, RewardLoop
-from megarl.data.tokenizer import load_tokenizer
+from megarl.data.padding import left_pad, position_ids_from_mask
 from megarl.protocol import Batch
 from megarl.rewards.judge import (
     judge_message,
@@ -73,8 +73,7 @@ def test_the_judge_message_is_the_template_over_the_row():
 
 
 @pytest.fixture(scope="module")
-def judge_fleet(tmp_path_factory):
-    tokenizer = load_tokenizer()
+def judge_fleet(tokenizer, tmp_path_factory):
     seven = tokenizer.convert_tokens_to_ids("7")
     config = LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
@@ -100,10 +99,8 @@ def _row_batches(tokenizer, rows: int):
     messages = [[{"role": "user", "content": f"{i}+1=?"}] for i in range(rows)]
     ids = tokenizer([tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages],
                     add_special_tokens=False)["input_ids"]
-    width = max(map(len, ids))
-    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in ids])
-    mask = (input_ids != tokenizer.pad_token_id).long()
-    gen = Batch.from_dict({"input_ids": input_ids, "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1})
+    input_ids, mask = left_pad(ids, tokenizer.pad_token_id)
+    gen = Batch.from_dict({"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)})
     batch = Batch.from_dict({"raw_prompt": messages, "data_source": ["openai/gsm8k"] * rows,
                              "reward_model": [{"ground_truth": str(i + 1)} for i in range(rows)],
                              "extra_info": [{} for _ in range(rows)], "uid": [f"u{i}" for i in range(rows)]})

@@ -27,8 +27,8 @@ from megarl.algorithms.metrics import compute_data_metrics
 from megarl.config import load_recipe
 from megarl.controller.reward_loop import ModelSide, RewardLoop
 from megarl.controller.reward_setup import start_reward_loop
+from megarl.data.padding import left_pad, position_ids_from_mask
 from megarl.data.rm_inputs import RewardModelInputs
-from megarl.data.tokenizer import load_tokenizer
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardManager
 from megarl.rewards.registry import build_scorers
@@ -65,12 +65,8 @@ def _step_rows(tokenizer):
     messages = [[{"role": "user", "content": f"What is {i}?"}] for i in range(PROMPTS)]
     prompt_ids = tokenizer([tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
                             for m in messages], add_special_tokens=False)["input_ids"]
-    width = max(map(len, prompt_ids))
-    ids = torch.full((PROMPTS, width), tokenizer.pad_token_id)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompt_ids):
-        ids[row, width - len(prompt):], mask[row, width - len(prompt):] = torch.tensor(prompt), 1
-    gen = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(0)})
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)
+    gen = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)})
     batch = Batch.from_dict({"raw_prompt": messages, "data_source": ["openai/gsm8k"] * PROMPTS,
                              "reward_model": [{"ground_truth": a.split()[-1]} for a in ANSWERS],
                              "extra_info": [{} for _ in range(PROMPTS)], "uid": [f"u{i}" for i in range(PROMPTS)]})
@@ -108,11 +104,6 @@ def _finish(run, responses, tokenizer, order):
     started = time.perf_counter()
     batch, metrics = run.finish(batch, rows=order)
     return batch, metrics, time.perf_counter() - started
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 def _loop(tokenizer, side, combine="sum"):

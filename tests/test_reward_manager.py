@@ -12,18 +12,12 @@ import pytest
 import torch
 
 from megarl.data.padding import right_pad
-from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardManager, reward_metrics
 from megarl.rewards.registry import build_scorers, check_data_sources
 
 _module_ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer()
 
 
 @pytest.fixture

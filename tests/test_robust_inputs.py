@@ -75,15 +75,13 @@ def test_a_run_on_a_nearly_full_disk_is_refused_before_anything_starts(tiny_disk
     assert_refused(result, "trainer.output_dir: only", "MiB free on the disk of", "needs at least 256 MiB")
 
 
-def test_initial_weights_that_do_not_fit_are_refused_and_leave_nothing_behind(tiny_disk, tmp_path):
+def test_initial_weights_that_do_not_fit_are_refused_and_leave_nothing_behind(tiny_disk, tmp_path, tokenizer):
     """A model of ~11 MiB into 4 MiB: refused naming the sizes, no half-written hf_init remains, and a later
     run with room writes a complete one."""
     from megarl.controller.bootstrap import prepare_initial_weights
-    from megarl.data.tokenizer import load_tokenizer
 
     recipe = load_recipe(QUICKSTART, ["model.config.hidden_size=256", "model.config.intermediate_size=512",
                                       "model.config.num_hidden_layers=4"])
-    tokenizer = load_tokenizer("builtin")
     with pytest.raises(InputError, match=r"trainer.output_dir: the initial weights need 1\d MiB in .*, the disk has"):
         prepare_initial_weights(recipe, tiny_disk, tokenizer)
     assert list(tiny_disk.iterdir()) == []

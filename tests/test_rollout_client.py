@@ -8,11 +8,12 @@ import threading
 import pytest
 from _http import call as http_call
 from _settings import sampling
+from _tiny import served_model
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from megarl.rollout import GenerationResult, RolloutClient, RolloutError, results_to_tensors, start_cpu_engine
+from megarl.rollout import GenerationResult, RolloutClient, RolloutError, results_to_tensors
 from megarl.rollout.sampling import SEED_STRIDE
 from megarl.ports import free_port
 
@@ -20,32 +21,18 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15], [16, 17,
 NUCLEUS = sampling(8, temperature=0.9, top_p=0.95, ignore_eos=True)
 
 
-def tiny_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
-
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("client_models")
-    tiny_model(0).save_pretrained(root / "base")
-    tiny_model(1).save_pretrained(root / "other")
+    served_model(0).save_pretrained(root / "base")
+    served_model(1).save_pretrained(root / "other")
     return {"base": root / "base", "other": root / "other"}
 
 
 @pytest.fixture(scope="module")
-def servers(model_dirs, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("client_logs")
-    handles = []
-    try:
-        for index in range(2):
-            handles.append(start_cpu_engine(model_dirs["base"], log_path=logs / f"server{index}.log", seed=index))
-        yield handles
-    finally:
-        for handle in handles:
-            handle.stop()
+def servers(model_dirs, cpu_engine):
+    return [cpu_engine(model_dirs["base"], seed=index, deterministic=True) for index in range(2)]
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,17 @@ and the servers are stopped by PID when the fleet shuts down.
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 import os
 import signal
 
 import pytest
 from _http import call as http_call
 from _settings import sampling
-from _tiny import greedy_continuation
+from _tiny import greedy_continuation, served_model
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from megarl.data.padding import left_pad, position_ids_from_mask
 from megarl.protocol import Batch
 from megarl.rollout import RolloutFleet, ServerSpec
 from megarl.rollout.router import router_argv
@@ -29,12 +30,6 @@ MAX_RESPONSE = 12
 
 pytestmark = pytest.mark.dist
 
-
-def tiny_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
-    return LlamaForCausalLM(config).eval()
 
 
 def call(url: str, path: str, body=None, *, key: str | None = API_KEY) -> tuple[int, object]:
@@ -51,8 +46,8 @@ def greedy(url: str, prompt: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("router_models")
-    tiny_model(0).save_pretrained(root / "base")
-    other = tiny_model(1)
+    served_model(0).save_pretrained(root / "base")
+    other = served_model(1)
     other.save_pretrained(root / "other")
     return {"base": root / "base", "other": root / "other", "other_model": other}
 
@@ -60,37 +55,34 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
     spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path_factory.mktemp("logs")),
-                      api_key=API_KEY)
+                      api_key=API_KEY, deterministic=True)
     with RolloutFleet(spec, num_servers=2, pad_token_id=0, seed=2,
                       max_concurrency=2, routing="router", router_policy="round_robin", use_ray=False) as started:
         yield started
 
 
 def generation_batch(n: int) -> Batch:
-    width = max(map(len, PROMPTS))
-    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(PROMPTS):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
-    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(0),
+    ids, mask = left_pad(PROMPTS, 0)
+    batch = Batch.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
                              "uid": [f"p{row}" for row in range(len(PROMPTS))]})
     return batch.repeat(n, interleave=True)
 
 
-def test_router_command_line():
-    argv = router_argv(["http://a:1", "http://b:2"], policy="cache_aware", host="127.0.0.1", port=9, api_key="k")
-    assert argv[1:] == ["-m", "sglang_router.launch_router", "--worker-urls", "http://a:1", "http://b:2",
+def test_router_command_line_holds_no_key_and_no_health_checks():
+    argv = router_argv(["http://a:1", "http://b:2"], policy="cache_aware", host="127.0.0.1", port=9)
+    assert argv[1:] == ["-m", "megarl.rollout.router_main", "--worker-urls", "http://a:1", "http://b:2",
                         "--policy", "cache_aware", "--host", "127.0.0.1", "--port", "9", "--log-level", "warn",
-                        "--api-key", "k"]
+                        "--disable-health-check"]
     with pytest.raises(ValueError, match="policy"):
-        router_argv([], policy="fastest", host="127.0.0.1", port=9, api_key=None)
+        router_argv([], policy="fastest", host="127.0.0.1", port=9)
 
 
 def test_fleet_generation_through_the_router_survives_a_dead_server(fleet):
     router = fleet.router
     assert sorted(router.worker_urls()) == sorted(fleet.urls)
+    # The key reached the router through its environment, not its command line.
     assert call(router.url, "/generate", {"input_ids": [1]}, key=None)[0] == 401
+    assert fleet.spec.api_key not in Path(f"/proc/{router.pid}/cmdline").read_text()
     gen_batch = generation_batch(N)
     out = fleet.generate(gen_batch, sampling(MAX_RESPONSE), seed=4)
     assert list(out["uid"]) == list(gen_batch["uid"])

@@ -12,12 +12,10 @@ from megarl.data.tokenizer import builtin_tokenizer_dir, load_tokenizer
 from megarl.errors import InputError
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(str(builtin_tokenizer_dir()), local_files_only=True)
-
-
 def test_loads_as_fast_tokenizer_with_chatml_specials(tokenizer):
+    # Plain AutoTokenizer on the asset directory (what a user's HF code does) gives the same tokenizer.
+    direct = AutoTokenizer.from_pretrained(str(builtin_tokenizer_dir()), local_files_only=True)
+    assert type(direct) is type(tokenizer) and direct.get_vocab() == tokenizer.get_vocab()
     assert isinstance(tokenizer, transformers.PreTrainedTokenizerFast)
     assert len(tokenizer) == 512
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|pad|>"

@@ -122,10 +122,6 @@ class MegatronWorker:
         """The weights of a policy's checkpoint (a value model takes the backbone); each rank reads its shards."""
         self.engine.load_policy_checkpoint(ckpt_dir)
 
-    def save_hf_weights(self, path: str, *, dtype: str) -> None:
-        """The engine's weights (a reward model's with `score.weight`) as one HF safetensors file (rank 0 writes)."""
-        self.engine.save_hf_weights(path, dtype=dtype)
-
     def reset_optimizer_state(self) -> None:
         """Forget Adam moments (e.g. after the SFT warm-up) so they do not leak into RL updates."""
         self.engine.reset_optimizer_state()

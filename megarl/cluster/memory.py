@@ -13,11 +13,17 @@ imitates it). One step, with `placement.offload` on a colocated placement:
 In a step that does not update the actor (critic warm-up) the fleet keeps its weights,
 since nothing would sync them back. The step loop times each direction as
 `timing_s/onload` and `timing_s/offload`. Without the cycle every call is a no-op.
+
+Start-up: SGLang sizes its KV cache from the device memory free when it starts (the
+memory left after its weights, less `(1 - mem_fraction) x` the device's total:
+`mem_cache/kv_cache_configurator.py` in 0.5.23), so every engine goes to sleep
+(`sleep_all`) before the fleet starts, and the first sync (`sync_from_sleep`) wakes
+the actor alone, with the fleet's memory released as around every later sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megarl.cluster.engine_worker import MegatronWorker
@@ -30,6 +36,7 @@ class MemoryCycle:
     """Drives the fleet's memory release/resume and the engines' offload/onload; `enabled=False` does nothing."""
 
     def __init__(self, fleet: Any, *, actor: WorkerGroup, idle_groups: Sequence[WorkerGroup], enabled: bool):
+        """`fleet` may be None until the fleet has started (after `sleep_all`); set `fleet` then."""
         self.fleet, self.actor, self.idle_groups, self.enabled = fleet, actor, list(idle_groups), enabled
         self._fleet_weights_released = False
 
@@ -37,10 +44,25 @@ class MemoryCycle:
         return [self.actor, *self.idle_groups]
 
     def sleep_all(self) -> None:
-        """Every engine off the device (after set-up, before the first generation)."""
+        """Every engine off the device (after set-up, before the fleet starts)."""
         if self.enabled:
             for group in self._groups():
                 group.run(MegatronWorker.offload, weights=True)
+
+    def sync_from_sleep(self, sync: Callable[[], Any]) -> Any:
+        """The run's first `sync()`, the engines asleep and the fleet holding all its memory: the fleet lets go
+        of its KV cache and weights, the actor wakes with its weights only, syncs, and everything is as after
+        any later sync. Returns what `sync` returns."""
+        if not self.enabled:
+            return sync()
+        self.fleet.release_memory(GENERATION_MEMORY + ["weights"])
+        self._fleet_weights_released = True
+        self.actor.run(MegatronWorker.onload)
+        self.actor.run(MegatronWorker.offload, weights=False)
+        self.fleet.resume_memory(["weights"])
+        result = sync()
+        self.after_sync()
+        return result
 
     def wake_trainers(self, *, actor_updates: bool) -> None:
         """After generation: the fleet gives its memory back, the engines come back onto the device."""

@@ -12,13 +12,18 @@ the pad id, the tokenizer) written atomically to `reward_model.path`. The pad id
 the reward model tokenizer's pad token, or its EOS when it has none (the log says
 so): the score is read at HF's pooling token for that pad id (the rightmost token
 that is not the pad id; with pad = EOS, the token before a trailing EOS), in
-training as in HF. Pairs may carry a `margin` (`megarl.data.preference`).
+training as in HF. Pairs may carry a `margin` (`megarl.data.preference`). Each rank
+saves its own shards as a weights-only checkpoint (`train-rm/rm_checkpoint`, removed
+after), and once the ranks are gone `megarl export`'s conversion makes the HF files
+here, so no rank ever holds the whole model and this process holds it once, in its
+dtype.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +47,7 @@ from megarl.data.preference import read_pairs, write_arithmetic_preferences
 from megarl.data.rm_inputs import RewardModelInputs
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
-from megarl.models.spec import arch_from_hf
+from megarl.models.spec import arch_from_hf, reward_model_hf_config
 from megarl.protocol import Batch
 from megarl.tracking.tracker import Tracker
 
@@ -100,22 +105,14 @@ def _pair_files(recipe: Recipe, data_dir: Path) -> tuple[list[Path], list[Path]]
     return [Path(f).expanduser() for f in train.train_files], [Path(f).expanduser() for f in train.val_files]
 
 
-def reward_model_hf_config(hf_config: dict, *, pad_token_id: int, dtype: str) -> dict[str, Any]:
-    """The config.json of an HF *ForSequenceClassification reward model with one label on `hf_config`'s backbone."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+def _write_reward_model(path: Path, checkpoint: Path, config: dict, tokenizer: Any) -> None:
+    """The reward model saved in `checkpoint` as an HF checkpoint at `path`, all or nothing: `megarl export`'s
+    conversion (backbone and `score.weight` in the engine's dtype), then `config` and the tokenizer."""
+    from megarl.engines.export import export_checkpoint
 
-    architecture = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[hf_config["model_type"]]
-    base = {key: value for key, value in hf_config.items() if key not in ("num_labels", "id2label", "label2id")}
-    return {**base, "architectures": [architecture], "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
-            "pad_token_id": pad_token_id, "dtype": dtype, "torch_dtype": dtype}
-
-
-def _write_reward_model(path: Path, group, config: dict, tokenizer: Any) -> None:
-    """The reward model of `group` as an HF checkpoint at `path`, all or nothing (the engine's rank 0 writes the
-    weights in the config's dtype)."""
     with atomic.new_directory(path) as partial:
-        group.run(MegatronWorker.save_hf_weights, str(partial / "model.safetensors"), dtype=config["dtype"])
-        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        export_checkpoint(checkpoint, partial)
+        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))  # with the rows' pad id
         tokenizer.save_pretrained(partial)
 
 
@@ -189,6 +186,12 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
                 if step == total_steps or (train.val_every and step % train.val_every == 0):
                     metrics.update(_validate(role, val_pairs))
                 tracker.log(step, metrics)
-        config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=engine.params_dtype)
-        _write_reward_model(Path(rm.path).expanduser(), group, config, rm_tokenizer)
+        # Each rank writes its own shards: no rank gathers the model (a 7B reward model in float32 is 28 GB).
+        checkpoint = log_dir / "rm_checkpoint"
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        group.run(MegatronWorker.save_checkpoint, str(checkpoint), weights_only=True)
+    # The ranks are gone and this process never joined torch.distributed: the conversion runs here.
+    config = reward_model_hf_config(hf_config, pad_token_id=inputs.pad_id, dtype=engine.params_dtype)
+    _write_reward_model(Path(rm.path).expanduser(), checkpoint, config, rm_tokenizer)
+    shutil.rmtree(checkpoint)
     return RewardModelResult(Path(rm.path).expanduser(), metrics["val/rm_accuracy"], step)

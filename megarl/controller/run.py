@@ -3,7 +3,8 @@
 Set-up order: run directory (resume or start over) and resolved recipe, tokenizer and
 data, initial HF weights, metric sinks, Ray and the resource pools, the Megatron worker
 groups, the optional SFT warm-up (fresh runs) or the checkpoint (resumed runs), the
-rollout fleet with the first weight sync, then the step loop. Everything started here
+engines off their devices (colocated: the fleet sizes its KV cache from the memory
+free when it starts), the rollout fleet with the first weight sync, then the step loop. Everything started here
 is stopped here, by handle, also when a signal stops the run (`preemption`).
 """
 
@@ -30,6 +31,7 @@ from megarl.config.settings import (
     SamplingSettings,
     engine_settings,
     logprob_batching,
+    multi_turn_settings,
     policy_update_settings,
     rollout_fleet_settings,
     rollout_sampling,
@@ -43,6 +45,7 @@ from megarl.controller import run_state
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import StepCheckpoint, load_step
 from megarl.controller.loop import StepLoop
+from megarl.controller.multi_turn import EpisodeRewards, start_agent
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.resume import resume_or_start
@@ -143,8 +146,8 @@ def _start_fleet(recipe: Recipe, actor: PolicyRole, *, pool, weights: Path, data
 def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: SamplingSettings, run_dir: Path,
                  tracker: Tracker, cleanup: ExitStack, resume_from: StepCheckpoint | None,
                  preemption: Preemption) -> Roles:
-    """The engines, the SFT hand-off (fresh runs) or the checkpoint (resumed runs), the fleet, the reward loop
-    and the first weight sync; registers their teardown."""
+    """The engines, the SFT hand-off (fresh runs) or the checkpoint (resumed runs), the engines to sleep, the
+    fleet, the reward loop and the first weight sync; registers their teardown."""
     for pool in set(pools.values()):
         cleanup.callback(pool.release)
     log_dir = run_dir / "logs"
@@ -152,23 +155,33 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
                              cleanup=cleanup)
     if resume_from is None and recipe.sft_warmup.steps > 0:
         _hand_off_sft(recipe, engines, data=data, run_dir=run_dir, tracker=tracker, preemption=preemption)
-    api_key = secrets.token_hex(16)  # the policy's fleet and the judge's
-    fleet = _start_fleet(recipe, engines.actor, pool=pools["rollout"], weights=weights, data=data, api_key=api_key,
-                         run_dir=run_dir, log_dir=log_dir, cleanup=cleanup)
-    reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
-                               api_key=api_key, run_dir=run_dir, cleanup=cleanup)
-    memory = MemoryCycle(fleet, actor=engines.actor.group, idle_groups=engines.idle_groups(),
+    memory = MemoryCycle(None, actor=engines.actor.group, idle_groups=engines.idle_groups(),
                          enabled=sleeps_between_phases(recipe))
-    roles = Roles(actor=engines.actor, rollout=fleet, reward=reward, memory=memory, reference=engines.reference,
+    roles = Roles(actor=engines.actor, rollout=None, reward=None, memory=memory, reference=engines.reference,
                   critic=engines.critic, kl_ctrl=data.kl_ctrl)
     version = 0
-    if resume_from is not None:
+    if resume_from is not None:  # into the engines while they are still on their devices
         load_step(roles, resume_from)
         state = resume_from.controller_state()
         run_state.restore(state, loader=data.train_batches, kl_ctrl=data.kl_ctrl)
         version = state["weight_version"]
-    roles.sync_weights(version=version)
-    memory.sleep_all()  # the fleet generates first
+    # SGLang sizes its KV cache from the device memory free when it starts: the engines leave first.
+    memory.sleep_all()
+    api_key = secrets.token_hex(16)  # the policy's fleet and the judge's
+    fleet = _start_fleet(recipe, engines.actor, pool=pools["rollout"], weights=weights, data=data, api_key=api_key,
+                         run_dir=run_dir, log_dir=log_dir, cleanup=cleanup)
+    roles.rollout = memory.fleet = fleet
+    multi_turn = multi_turn_settings(recipe)
+    if multi_turn is not None:
+        # Registered after fleet.shutdown: the sandbox and the environment stop first, on the fleet's loop.
+        roles.episodes = start_agent(multi_turn, fleet=fleet, tokenizer=data.tokenizer, run_dir=run_dir,
+                                     cleanup=cleanup)
+        roles.reward = EpisodeRewards()
+    else:
+        roles.reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer,
+                                         manager=data.reward_manager, api_key=api_key, run_dir=run_dir,
+                                         cleanup=cleanup)
+    memory.sync_from_sleep(lambda: roles.sync_weights(version=version))  # the fleet generates first
     return roles
 
 

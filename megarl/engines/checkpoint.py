@@ -2,7 +2,8 @@
 
 A checkpoint dir holds megatron's sharded checkpoint (`metadata.json`, `common.pt`,
 `*.distcp`) plus `megarl_checkpoint.json`: the HF config, tokenizer path, parameter
-dtype and the layout it was saved at. Tensors are stored by global (layout-free) keys,
+dtype, the model's head (`lm`: a policy; `value`: a critic; `score`: a reward model)
+and the layout it was saved at. Tensors are stored by global (layout-free) keys,
 so a checkpoint saved at one TP/PP/VPP/EP layout loads at any other; the vocab-padded
 embedding and output layer may change padding (megatron marks them shape-mismatch
 tolerant). The JSON file is written last, after every rank finished: a dir without it
@@ -67,6 +68,7 @@ class CheckpointInfo:
     # False when the optimizer had not stepped yet (Adam keeps no state then).
     has_optimizer_state: bool = True
     has_rng_state: bool = False  # checkpoints written before RNG states were saved have none
+    head: str = "lm"  # "lm" (policy), "value" (critic) or "score" (reward model); older checkpoints: policies
     # LoRA adapters only: {"rank", "alpha", "dropout", "targets", "init", "base": {"path", "seed"}}; None: full weights
     lora: dict | None = None
 
@@ -88,6 +90,7 @@ def read_checkpoint_info(ckpt_dir: str | Path) -> CheckpointInfo:
         saved_layout=data["saved_layout"],
         has_optimizer_state=data.get("has_optimizer_state", data["has_optimizer"]),
         has_rng_state=data.get("has_rng_state", False),
+        head=data.get("head", "lm"),
         lora=data.get("lora"),
     )
 
@@ -182,11 +185,13 @@ def save_checkpoint(
     tokenizer_path: str | None,
     engine_state: dict,
     weights_only: bool = False,
+    head: str = "lm",
     lora_record: dict | None = None,
 ) -> Path:
     """Save model (+ optimizer and LR schedule when `train` and not `weights_only`), `engine_state`
     (plain, identical on all ranks) and each rank's RNG states; collective. An existing checkpoint
-    in the dir is replaced. `lora_record` (a LoRA policy: its settings and base): the adapters alone."""
+    in the dir is replaced. `head` records which model it is (see `CheckpointInfo.head`); `lora_record`
+    (a LoRA policy: its settings and base): the adapters alone."""
     if weights_only:
         train = None
     ckpt_dir = Path(ckpt_dir).expanduser().resolve()
@@ -216,6 +221,7 @@ def save_checkpoint(
             "has_optimizer": train is not None,
             "has_optimizer_state": with_optimizer_state,
             "has_rng_state": True,
+            "head": head,
             "saved_layout": _layout_record(model),
             "lora": lora_record,
         }

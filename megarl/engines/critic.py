@@ -83,6 +83,7 @@ class ValueEngine(MegatronEngine):
     """One rank of a Megatron value model: values, PPO value updates, HF backbone weights in."""
 
     _backbone_only = True
+    head = "value"
 
     def __init__(
         self,

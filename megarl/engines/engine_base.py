@@ -12,6 +12,7 @@ checkpoints, so a resumed run shuffles as the uninterrupted one would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,23 @@ from megarl.engines.schedule import (
 
 Tensor = torch.Tensor
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm: the trainer's weights can no longer be used (nor sent anywhere)."""
+
+
+def check_finite(metrics: dict[str, float], *, where: str) -> None:
+    """Stop the step when a loss or gradient norm of `metrics` is NaN or infinite, naming it.
+
+    The trainer is where a divergence happens, so it is caught here, once per optimizer step, before its
+    weights reach the rollout servers or a checkpoint (the servers load what they are sent, as SGLang's do)."""
+    bad = [f"{key} is {value}" for key, value in metrics.items()
+           if key.endswith(("loss", "grad_norm")) and not math.isfinite(value)]
+    if bad:
+        raise TrainingDiverged(f"training diverged at {where}: {', '.join(bad)}; stopped before these weights "
+                               f"reach the rollout servers or a checkpoint (lower the learning rate, or check the "
+                               f"rewards and advantages of this step)")
 
 
 def global_normalisers(response_mask: Tensor) -> dict[str, float]:
@@ -59,6 +77,7 @@ class MegatronEngine:
     _update_calls: int = 0
     _offloaded: offload.Offloaded | None = None  # what the last offload(s) moved, until onload
     _backbone_only = False  # a value model keeps its own head when it loads a policy's weights
+    head = "lm"  # what its checkpoints record as their model (`checkpoint.CheckpointInfo.head`)
     lora_settings: LoraSettings | None = None  # a policy with LoRA adapters on a frozen base
     base_weights: dict | None = None  # with LoRA: where the frozen base came from ({"path", "seed"})
 
@@ -156,12 +175,14 @@ class MegatronEngine:
         generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + self._update_calls)
         self._update_calls += 1
         history: list[dict[str, float]] = []
-        for _ in range(settings.epochs):
+        for epoch in range(settings.epochs):
             order = torch.randperm(rows, generator=generator) if settings.shuffle else torch.arange(rows)
             for start in range(0, rows, mini_batch_size):
                 mini = {key: value[order[start : start + mini_batch_size]] for key, value in data.items()}
                 micro = micro_batches(mini) if micro_batches else self._micro_batches(mini, settings.batching)
                 history.append(step(mini, micro))
+                check_finite(history[-1], where=f"update call {self._update_calls}, epoch {epoch + 1}, "
+                                                f"mini-batch {start // mini_batch_size + 1}")
         return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
 
     def _optimizer_step(self, train: TrainState, micro: MicroBatches, loss_fn: Callable) -> tuple[list, float, float]:
@@ -193,16 +214,6 @@ class MegatronEngine:
         cpu_compat.install()
         return hf_weights.hf_state_dict(self.model, self._weights_of)
 
-    def save_hf_weights(self, path: str, *, dtype: str) -> None:
-        """`hf_state_dict()` in `dtype` as one safetensors file at `path`, written by global rank 0 (collective).
-        Small models only, as `hf_state_dict`; large ones go through `save_checkpoint` and `megarl export`."""
-        from safetensors.torch import save_file
-
-        state = self.hf_state_dict()
-        if torch.distributed.get_rank() == 0:
-            save_file({name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in state.items()},
-                      path, metadata={"format": "pt"})
-
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         cpu_compat.install()
         hf_weights.load_hf_state_dict(self.model, state_dict, backbone_only=self._backbone_only)
@@ -232,6 +243,7 @@ class MegatronEngine:
             tokenizer_path=self.tokenizer_path,
             engine_state={"update_calls": self._update_calls},
             weights_only=weights_only,
+            head=self.head,
             lora_record=self._lora_record(),
         )
 

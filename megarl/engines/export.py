@@ -6,9 +6,12 @@ in the checkpoint's metadata, lets dist_checkpointing reshard the saved shards i
 then builds the HF tensors one at a time (`megarl.models.hf_sources`) and writes them
 (in the dtype the engine trained in) as safetensors files of at most `max_shard_bytes`
 (`model.safetensors`, or `model-0000i-of-0000n.safetensors` and the HF index), with
-`config.json` and the tokenizer files recorded at save time. No GPU and no other input
-is needed. It needs a process of its own: torch.distributed must not be initialised yet
-(the CLI is such a process). Memory: the model once, in its dtype, plus one output file.
+`config.json` and the tokenizer files recorded at save time. A policy's checkpoint
+becomes a `*ForCausalLM`; a reward model's (`megarl train-rm`) a one-label
+`*ForSequenceClassification`: the backbone and `score.weight`, no LM head. A critic's
+value head has no HF form and is refused. No GPU and no other input is needed. It needs
+a process of its own: torch.distributed must not be initialised yet (the CLI is such a
+process). Memory: the model once, in its dtype, plus one output file.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from megarl.errors import InputError
+from megarl.models.spec import reward_model_hf_config
 
 # HF's usual size of one safetensors file of a checkpoint.
 MAX_SHARD_BYTES = 5 * 10**9
@@ -63,14 +67,20 @@ def world_of_one():
             destroy_distributed()
 
 
-def _write_hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str, out_dir: Path, max_shard_bytes: int) -> None:
+def _write_hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str, out_dir: Path, max_shard_bytes: int,
+                      *, head: str) -> None:
     """The checkpoint's weights resharded into a TP1/PP1 model, written as HF tensors one at a time."""
     from megarl.engines import checkpoint, gpt
+    from megarl.engines.reward_model import attach_score_head
     from megarl.models import hf_param_shapes, hf_sources
+    from megarl.models.layout import SCORE_HEAD
 
     with world_of_one():
         # Checkpoints do not depend on the layer spec, and the local one runs anywhere.
-        model = gpt.build_gpt(hf_config, params_dtype=params_dtype, transformer_impl="local")
+        model = gpt.build_gpt(hf_config, params_dtype=params_dtype, transformer_impl="local",
+                              value_head=head == "score")
+        if head == "score":
+            attach_score_head(model)  # a reward model's config is its backbone's, saved tied (no LM head)
         checkpoint.load_model_state(model, ckpt_dir)
         weights = gpt.chunk_weights(model.chunks[0])  # TP1/PP1: local names are the full layout's
         sources = hf_sources(model.arch, padded_vocab=model.padded_vocab)
@@ -81,6 +91,8 @@ def _write_hf_weights(ckpt_dir: Path, hf_config: dict, params_dtype: str, out_di
                 tensor.narrow(piece.dim, piece.src_start, piece.length).copy_(
                     weights[param].narrow(piece.dim, piece.dst_start, piece.length))
             writer.add(name, tensor)
+        if head == "score":
+            writer.add(SCORE_HEAD, weights["output_layer.weight"].clone())
         writer.close()
 
 
@@ -139,9 +151,12 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path, *, max_shard_bytes: int = M
     if info.lora is not None:
         raise InputError(f"checkpoint {ckpt_dir}: holds LoRA adapters, not full weights: export them with --lora OUT "
                          f"(a PEFT adapter) or --merge OUT (an HF checkpoint with the adapters merged)")
+    if info.head not in ("lm", "score"):
+        raise InputError(f"checkpoint {ckpt_dir}: a {info.head} model (a critic) has no HF checkpoint form; "
+                         f"export a policy's or a reward model's checkpoint")
     tokenizer_dir = checked_tokenizer_dir(info, ckpt_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_hf_weights(ckpt_dir, info.hf_config, info.params_dtype, out_dir, max_shard_bytes)
+    _write_hf_weights(ckpt_dir, info.hf_config, info.params_dtype, out_dir, max_shard_bytes, head=info.head)
     write_config_and_tokenizer(info, tokenizer_dir, out_dir)
     return out_dir
 
@@ -155,9 +170,14 @@ def checked_tokenizer_dir(info, ckpt_dir: Path) -> Path | None:
 
 
 def write_config_and_tokenizer(info, tokenizer_dir: Path | None, out_dir: Path) -> None:
-    """`config.json` (in the engine's dtype) and the recorded tokenizer's files, next to exported weights."""
-    # `dtype` is what transformers 5 reads, `torch_dtype` what older readers (SGLang) do.
-    config = {**info.hf_config, "dtype": info.params_dtype, "torch_dtype": info.params_dtype}
+    """`config.json` (in the engine's dtype; a reward model's as a one-label sequence classifier) and the recorded
+    tokenizer's files, next to exported weights."""
+    if info.head == "score":
+        config = reward_model_hf_config(info.hf_config, pad_token_id=info.hf_config.get("pad_token_id"),
+                                        dtype=info.params_dtype)
+    else:
+        # `dtype` is what transformers 5 reads, `torch_dtype` what older readers (SGLang) do.
+        config = {**info.hf_config, "dtype": info.params_dtype, "torch_dtype": info.params_dtype}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     if tokenizer_dir is not None and tokenizer_dir.resolve() != out_dir:
         for name in TOKENIZER_FILES:

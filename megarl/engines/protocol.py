@@ -74,9 +74,6 @@ class TrainEngine(Protocol):
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The full HF-named weights, on every rank."""
 
-    def save_hf_weights(self, path: str, *, dtype: str) -> None:
-        """`hf_state_dict()` in `dtype` as one safetensors file at `path`, written by global rank 0 (collective)."""
-
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the weights with a full HF state dict (every rank passes the same one)."""
 

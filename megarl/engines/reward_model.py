@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from megarl.config.settings import Batching, OptimizerSettings, PreferenceUpdateSettings
 from megarl.engines import cpu_compat, hf_reader, hf_weights
 from megarl.engines.engine_base import SEQUENCE_KEYS, MegatronEngine, pick
+from megarl.engines.gpt import GPTModelChunks
 from megarl.engines.losses import dp_sum, loss_scale
 from megarl.engines.protocol import Rows
 from megarl.engines.schedule import MicroBatches, broadcast_from_last_stage, is_output_stage
@@ -90,6 +91,15 @@ def backbone_config(hf_config: dict) -> dict:
     return {**hf_config, "tie_word_embeddings": True}
 
 
+def attach_score_head(model: GPTModelChunks) -> None:
+    """Swap the value head a `value_head=True` build put on the last stage for the bias-free `ScoreHead`."""
+    last = model.chunks[-1]
+    if isinstance(getattr(last, "output_layer", None), torch.nn.Module):
+        last.output_layer = ScoreHead(model.arch.hidden_size, model.config.params_dtype)
+        if torch.cuda.is_available():
+            last.output_layer.cuda(torch.cuda.current_device())
+
+
 def interleave_pairs(rows: Rows) -> dict[str, Tensor]:
     """Chosen and rejected sequences as one batch [c0, r0, c1, r1, ...], right-padded to a common width, with
     each pair's `margin` on both of its rows."""
@@ -129,6 +139,7 @@ class RewardModelEngine(MegatronEngine):
     """One rank of a Megatron reward model: scores, Bradley-Terry updates, HF weights with `score.weight`."""
 
     _backbone_only = True
+    head = "score"
 
     def __init__(
         self,
@@ -147,11 +158,7 @@ class RewardModelEngine(MegatronEngine):
         self._build(backbone_config(hf_config), params_dtype=params_dtype, transformer_impl=transformer_impl,
                     value_head=True)
         self.pad_token_id = hf_config.get("pad_token_id")  # the pooling rule's pad id (module docstring)
-        last = self.model.chunks[-1]
-        if isinstance(getattr(last, "output_layer", None), torch.nn.Module):
-            last.output_layer = ScoreHead(self.model.arch.hidden_size, self.model.config.params_dtype)
-            if torch.cuda.is_available():
-                last.output_layer.cuda(torch.cuda.current_device())
+        attach_score_head(self.model)
         self.train = None  # weights first: the optimizer takes its copies of them
         hf_weights.load_hf_weights(self.model, weights, seed=seed, backbone_only=True)
         self._load_score_head(_score_weight(weights))

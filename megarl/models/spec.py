@@ -9,8 +9,9 @@ into an `Arch` (the dimensions every layout map and the engine builder use) and
 `transformer_kwargs` into the keyword arguments a Megatron GPT model needs;
 `config_problems` lists everything wrong with a config first (the recipe checks
 reach it through the registered spec, so `validate` refuses what the engines
-could not build). Pure:
-no megatron import, so the resharding plan can reuse it anywhere.
+could not build); `reward_model_hf_config` is the HF config of a one-label reward
+model on a family's backbone. Pure: no megatron import, so the resharding plan can
+reuse it anywhere.
 """
 
 from __future__ import annotations
@@ -297,3 +298,13 @@ def transformer_kwargs(hf_config: dict) -> dict:
         # Softmax-then-top-k keeps HF's probabilities un-renormalised (norm_topk_prob=False).
         "moe_router_pre_softmax": arch.is_moe and not arch.moe_norm_topk_prob,
     }
+
+
+def reward_model_hf_config(hf_config: dict, *, pad_token_id: int, dtype: str) -> dict:
+    """The config.json of an HF *ForSequenceClassification reward model with one label on `hf_config`'s backbone."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    architecture = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES[hf_config["model_type"]]
+    base = {key: value for key, value in hf_config.items() if key not in ("num_labels", "id2label", "label2id")}
+    return {**base, "architectures": [architecture], "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0},
+            "pad_token_id": pad_token_id, "dtype": dtype, "torch_dtype": dtype}

@@ -92,8 +92,11 @@ class DiskTransport:
             if old != final and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
 
-    def close(self) -> None:
+    def release_buffers(self) -> None:
         self._ring.clear()
+
+    def close(self) -> None:
+        self.release_buffers()
 
 
 def write_safetensors(path: Path, bucket: Bucket, flat: Tensor) -> None:

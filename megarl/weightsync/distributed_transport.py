@@ -153,11 +153,14 @@ class DistributedTransport:
     def commit(self, *, weight_version: str) -> None:
         pass
 
+    def release_buffers(self) -> None:
+        self._ring.clear()
+
     def close(self) -> None:
         for pp_rank in list(self._groups):
             name, group = self._groups.pop(pp_rank)
             destroy_update_group(self.client, group, group_name=name)
-        self._ring.clear()
+        self.release_buffers()
         self._pool.shutdown(wait=False)
 
     def _forget(self, pp_rank: int) -> None:

@@ -17,6 +17,15 @@
    session and every rank raises the same error, naming the failing ranks.
 Rank 0 returns `SyncStats` (seconds from opening to closing the session); the
 other ranks return None.
+
+Buffers: the transport's bucket ring, the TP-gather scratch and the peers' mappings
+of TP rank 0's buckets live for one sync when they take accelerator memory (shards on
+a GPU; `release_buffers=True` forces it anywhere): every rank frees them when its
+push ends, successful or not, and returns the blocks to the device (`empty_cache`),
+so the colocated fleet's KV cache and the next training phase get them back. Host
+buffers (shards on CPU) are kept across syncs by default: re-creating shared memory
+costs page faults on every sync, and the host is not what a colocated fleet sizes
+its cache from.
 """
 
 from __future__ import annotations
@@ -44,15 +53,38 @@ class WeightSyncer:
     """Pushes this rank's shards through `transport`; `client` is needed on senders and rank 0 (else None)."""
 
     def __init__(self, plan: ReshardPlan, transport: Transport, groups: SyncGroups, *,
-                 client: RolloutClient | None, verify: bool = False, pause_mode: str | None = "in_place"):
+                 client: RolloutClient | None, verify: bool = False, pause_mode: str | None = "in_place",
+                 release_buffers: bool | None = None):
+        """`release_buffers`: free the sync's buffers when each push ends (None: when the shards are on a GPU)."""
         self.plan, self.transport, self.groups = plan, transport, groups
         self.coords = groups.coords
         self.client, self.verify = client, verify
+        self.release_after_push = release_buffers
         self.session = UpdateSession(client, pause_mode=pause_mode) if self.coords.rank == 0 else None
-        self._scratch: dict[str, Tensor] = {}  # TP gather buffers, kept across syncs
+        self._scratch: dict[str, Tensor] = {}  # TP gather buffers, kept across buckets (and syncs, see above)
         self._mappings = SharedMappings()  # TP rank 0's bucket buffers, mapped on its peers
 
     def push(self, local: Mapping[tuple[int, str], Tensor], *, weight_version: str) -> SyncStats | None:
+        release = self.release_after_push
+        if release is None:
+            release = any(tensor.is_cuda for tensor in local.values())
+        try:
+            return self._push(local, weight_version=weight_version)
+        finally:
+            if release:
+                self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Free this rank's bucket buffers, TP-gather scratch and mapped peer buffers (the next push
+        allocates them again); on a GPU the freed blocks go back to the device."""
+        self.transport.release_buffers()
+        self._scratch.clear()
+        self._mappings.clear()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.ipc_collect()  # blocks a server's CUDA IPC mapping held back, now released
+            torch.cuda.empty_cache()
+
+    def _push(self, local: Mapping[tuple[int, str], Tensor], *, weight_version: str) -> SyncStats | None:
         start = time.perf_counter()
         opened = self._on_rank_zero(lambda: self._open(weight_version))
         opened = self.groups.share_from_zero(opened, phase="open update session")
@@ -75,8 +107,7 @@ class WeightSyncer:
 
     def close(self) -> None:
         self.transport.close()
-        self._scratch.clear()
-        self._mappings.clear()
+        self.release_buffers()
 
     def _open(self, weight_version: str) -> None:
         self.session.open()

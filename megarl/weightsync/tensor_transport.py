@@ -106,8 +106,11 @@ class TensorTransport:
     def commit(self, *, weight_version: str) -> None:
         pass
 
-    def close(self) -> None:
+    def release_buffers(self) -> None:
         self._ring.clear()
+
+    def close(self) -> None:
+        self.release_buffers()
 
 
 def bucket_payload(bucket: Bucket, flat: Tensor) -> dict:
