@@ -1,5 +1,6 @@
 """Rendezvous addresses: the node's routable address, never what the hostname resolves to (127.0.1.1 under
-Debian's default /etc/hosts); IPv6 written in brackets; gloo pointed at the card that reaches its peer.
+Debian's default /etc/hosts), for masters, weight-update stores and servers bound to the node; IPv6 written in
+brackets; gloo pointed at the card that reaches its peer.
 
 The real thing, hosts whose names resolve to 127.0.1.1 and a gloo weight-update
 group between two of them, runs in tests/test_slurm.py's two-node Slurm.
@@ -16,6 +17,7 @@ import ray.util
 
 from megarl import net
 from megarl.cluster.engine_worker import MegatronWorker
+from megarl.rollout.server_host import bind_address
 from megarl.weightsync.distributed_transport import _master_address
 
 NODE_IP = "10.20.30.40"
@@ -48,6 +50,13 @@ def test_the_interface_the_recipe_names_wins(debian_hosts, monkeypatch):
     monkeypatch.setenv(net.IFACE_ENV, "nosuchif0")
     with pytest.raises(OSError, match="no network interface 'nosuchif0' on this node"):
         net.node_address()
+
+
+def test_servers_bound_to_the_node_listen_on_its_address(debian_hosts, monkeypatch):
+    assert bind_address("node") == NODE_IP
+    assert bind_address("10.9.8.7") == "10.9.8.7"  # an address the recipe names is used as it is
+    monkeypatch.setenv(net.IFACE_ENV, "lo")
+    assert bind_address("node") == "127.0.0.1"
 
 
 def test_ipv6_addresses_are_bracketed_and_parsed_back():
