@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from megarl.net import node_address
 from megarl.ports import free_port, port_is_free
+from megarl.processes import shield_ray_actor
 from megarl.rollout.server import (
     LOG_TAIL_CHARS,
     ServerHandle,
@@ -44,7 +46,7 @@ class ServerSpec:
     model_path: str
     log_dir: str
     api_key: str | None = None
-    bind: str = "loopback"  # "loopback", "node" (the node's address, from Ray) or an explicit address
+    bind: str = "loopback"  # "loopback", "node" (the node's address: megarl.net.node_address) or an address
     port: int | None = None  # server i first tries port + i; None: any free port
     weight_version: str = "default"
     tokenizer_path: str | None = None
@@ -72,9 +74,7 @@ def bind_address(bind: str) -> str:
     if bind in ("loopback", "localhost", LOOPBACK):
         return LOOPBACK
     if bind == "node":
-        import ray.util
-
-        return ray.util.get_node_ip_address()
+        return node_address()
     return bind
 
 
@@ -99,6 +99,7 @@ class ServerHost:
     """Starts, restarts, polls and stops the process of server `index`; once closed it starts nothing."""
 
     def __init__(self, spec: ServerSpec, index: int, gpu_ids: list[int] | None = None):
+        shield_ray_actor()  # under a launcher, SIGTERM is the driver's: it may still need this server
         self.spec, self.index, self.gpu_ids = spec, index, gpu_ids
         self.address = bind_address(spec.bind)
         # Listening on every interface still needs one address that others can reach.
