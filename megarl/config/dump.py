@@ -30,6 +30,8 @@ OPTIONAL_ROLES = ("reward_model", "judge")
 def _unused_reason(recipe: Recipe, role: str) -> str:
     if role == "critic":
         return f"not used (adv_estimator {recipe.algorithm.adv_estimator!r} needs no critic)"
+    if recipe.actor.lora is not None and (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss):
+        return "no engine of its own (the actor with its LoRA adapters switched off)"
     return "not used (algorithm.use_kl_in_reward and actor.use_kl_loss are both false)"
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from megarl.config.layout import training_layout
 from megarl.config.schema import Recipe
+from megarl.config.training import LORA_HF_LINEARS
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class PreferenceUpdateSettings:
 class WeightSyncSettings:
     """How the actor's weights reach the rollout fleet (`weight_sync` in the recipe): buckets of at most
     `bucket_bytes` (the recipe's `bucket_mb` MiB); `disk_dir` is the run-local directory the disk transport
-    writes to."""
+    writes to; `pause_mode` how a sync meets running requests (SGLang's `pause_generation` mode, or None)."""
 
     transport: str
     bucket_bytes: int
@@ -128,6 +129,9 @@ class WeightSyncSettings:
     timeout_s: float
     disk_dir: str
     lora: str  # with LoRA: "merged" weights, or "adapter" only
+    # How a sync meets running requests: pause them "in_place" (they go on under the new weights), "abort" them
+    # (partial rollouts re-send them), or None: the update waits for them to finish.
+    pause_mode: str | None = "in_place"
 
 
 @dataclass(frozen=True)
@@ -145,11 +149,26 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class AsyncSettings:
+    """Asynchronous RL (`rollout.async`): generation up to `max_staleness` weight versions ahead; weight syncs
+    while requests are paused in place (`in_flight_updates`) or, with `partial_rollouts`, after aborting them
+    and re-sending what they generated; stale tokens corrected with `correction_mode` ("truncate", "mask" or
+    "off") at `correction_level` ("token" or "sequence") with the cap `correction_cap`."""
+
+    max_staleness: int
+    in_flight_updates: bool
+    partial_rollouts: bool
+    correction_mode: str
+    correction_level: str
+    correction_cap: float
+
+
+@dataclass(frozen=True)
 class StepSettings:
     """The per-step knobs of `Trainer.step`: `rollout_n` responses per prompt drawn with `sampling` (whose
     temperature the log-prob pass uses too), the advantage estimator and its options, the KL-in-reward
     penalty, batch balancing, the critic's warm-up steps and `num_devices`, every device of the placement
-    (perf/throughput is per device)."""
+    (perf/throughput is per device); `async_rollout` for asynchronous RL (None: synchronous)."""
 
     rollout_n: int
     sampling: SamplingSettings
@@ -164,6 +183,7 @@ class StepSettings:
     balance_batch: bool
     critic_warmup: int
     num_devices: int
+    async_rollout: AsyncSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -186,6 +206,7 @@ class FleetSettings:
     mem_fraction: float
     sglang_args: dict[str, Any]
     enable_memory_saver: bool
+    enable_weights_cpu_backup: bool  # released weights come back from a host copy (a LoRA policy's frozen base)
     max_concurrency: int
     routing: str
     router_policy: str
@@ -193,6 +214,10 @@ class FleetSettings:
     startup_timeout_s: float
     model_path: str | None
     tokenizer_path: str | None
+    # With the adapter-only LoRA sync: the servers serve LoRA adapters of at most this rank on these HF modules,
+    # and every generation names the current version's adapter (None / (): no LoRA serving).
+    lora_max_rank: int | None
+    lora_target_modules: tuple[str, ...]
     deterministic: bool = False
     max_sequences: int | None = None
 
@@ -209,6 +234,7 @@ class EngineSettings:
     params_dtype: str
     transformer_impl: str
     optimizer: OptimizerSettings | None
+    lora: LoraSettings | None  # a policy of LoRA adapters on a frozen base (the actor with `actor.lora`)
 
 
 @dataclass(frozen=True)
@@ -364,7 +390,17 @@ def weight_sync_settings(recipe: Recipe, run_dir: Path) -> WeightSyncSettings:
         timeout_s=sync.timeout_s,
         disk_dir=str(Path(run_dir) / "weight_sync"),
         lora=sync.lora,
+        pause_mode=_pause_mode(recipe),
     )
+
+
+def _pause_mode(recipe: Recipe) -> str | None:
+    """The synchronous loop syncs between generations (nothing runs: in place, as ever); asynchronous RL pauses in
+    place only with in-flight updates, aborts with partial rollouts, else lets the update wait."""
+    section = recipe.rollout.async_
+    if section is None or section.in_flight_updates:
+        return "in_place"
+    return "abort" if section.partial_rollouts else None
 
 
 def lora_settings(recipe: Recipe) -> LoraSettings | None:
@@ -442,7 +478,19 @@ def step_settings(recipe: Recipe, *, sampling: SamplingSettings, num_devices: in
         balance_batch=recipe.trainer.balance_batch,
         critic_warmup=recipe.critic.warmup_steps if recipe.critic else 0,
         num_devices=num_devices,
+        async_rollout=async_settings(recipe),
     )
+
+
+def async_settings(recipe: Recipe) -> AsyncSettings | None:
+    """`rollout.async`'s settings, None for the synchronous loop."""
+    section = recipe.rollout.async_
+    if section is None:
+        return None
+    correction = section.correction
+    return AsyncSettings(max_staleness=section.max_staleness, in_flight_updates=section.in_flight_updates,
+                         partial_rollouts=section.partial_rollouts, correction_mode=correction.mode,
+                         correction_level=correction.level, correction_cap=correction.cap)
 
 
 def sleeps_between_phases(recipe: Recipe) -> bool:
@@ -457,11 +505,24 @@ def rollout_fleet_settings(recipe: Recipe) -> FleetSettings:
         backend=rollout.backend, num_servers=rollout.num_servers, tp=rollout.tp, bind=rollout.host,
         port=rollout.port, threads=rollout.engine_threads, mem_fraction=rollout.mem_fraction,
         sglang_args=dict(rollout.sglang), enable_memory_saver=sleeps_between_phases(recipe),
+        # A LoRA sync moves only what the adapters change: the servers keep the frozen rest in host memory while
+        # they release their weights for the trainer.
+        enable_weights_cpu_backup=sleeps_between_phases(recipe) and recipe.actor.lora is not None,
         max_concurrency=rollout.max_concurrency, routing=rollout.routing, router_policy=rollout.router_policy,
         seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s, model_path=None, tokenizer_path=None,
+        **_lora_serving(recipe),
         # One request carries one prompt's group of samples: a larger one is no request of this run's.
         deterministic=rollout.deterministic, max_sequences=rollout.n,
     )
+
+
+def _lora_serving(recipe: Recipe) -> dict[str, Any]:
+    """The policy fleet's LoRA serving: on with the adapter-only sync, sized by the adapters' rank and targets."""
+    lora = recipe.actor.lora
+    if lora is None or recipe.weight_sync.lora != "adapter":
+        return {"lora_max_rank": None, "lora_target_modules": ()}
+    modules = sorted(linear for target in lora.target_modules for linear in LORA_HF_LINEARS[target])
+    return {"lora_max_rank": lora.rank, "lora_target_modules": tuple(modules)}
 
 
 def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
@@ -474,7 +535,8 @@ def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
         enable_memory_saver=False, max_concurrency=judge.max_concurrency, routing="client",
         router_policy=rollout.router_policy, seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s,
         model_path=judge.model_path, tokenizer_path=judge.tokenizer or judge.model_path,
-        deterministic=rollout.deterministic,
+        deterministic=rollout.deterministic, enable_weights_cpu_backup=False, lora_max_rank=None,
+        lora_target_modules=(),
     )
 
 
@@ -496,10 +558,12 @@ def engine_settings(recipe: Recipe, role: str, *, train_pairs: int | None = None
         dtype = recipe.reward_model.dtype or dtype
     return EngineSettings(kind=_ENGINE_KINDS[role], parallel=getattr(recipe, role).parallel.model_dump(),
                           seed=recipe.seed, params_dtype=dtype, transformer_impl=recipe.model.transformer_impl,
-                          optimizer=optimizer)
+                          optimizer=optimizer, lora=lora_settings(recipe) if role == "actor" else None)
 
 
 def warmup_engine_settings(recipe: Recipe, *, layout_of: str) -> EngineSettings:
     """The SFT warm-up's engine: the actor's (policy kind, model dtype, optimizer) on the layout of role
     `layout_of` (the actor's in `megarl train` and `megarl warmup`, the reward model's for its backbone)."""
-    return replace(engine_settings(recipe, "actor"), parallel=getattr(recipe, layout_of).parallel.model_dump())
+    # The warm-up trains the whole model: a LoRA run starts from its output (model.path), never from inside it.
+    return replace(engine_settings(recipe, "actor"), parallel=getattr(recipe, layout_of).parallel.model_dump(),
+                   lora=None)

@@ -36,6 +36,7 @@ from megarl.config.settings import (
     rollout_fleet_settings,
     rollout_sampling,
     sleeps_between_phases,
+    StepSettings,
     step_settings,
     validation_sampling,
     value_update_settings,
@@ -51,6 +52,7 @@ from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.resume import resume_or_start
 from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
+from megarl.controller.rollout_ahead import AsyncRollout
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.step import Trainer
 from megarl.errors import InputError
@@ -74,8 +76,10 @@ class _Engines:
     critic: CriticRole | None
 
     def idle_groups(self) -> list[WorkerGroup]:
-        """The groups that sleep through generation and the weight sync (all but the actor's)."""
-        return [role.group for role in (self.reference, self.critic) if role is not None]
+        """The groups that sleep through generation and the weight sync (all but the actor's: a LoRA actor's
+        reference runs on it)."""
+        return [role.group for role in (self.reference, self.critic)
+                if role is not None and role.group is not self.actor.group]
 
 
 def _start_engines(recipe: Recipe, *, pools, weights: Path, sampling: SamplingSettings, log_dir: Path,
@@ -89,6 +93,9 @@ def _start_engines(recipe: Recipe, *, pools, weights: Path, sampling: SamplingSe
     actor = PolicyRole(actor_group, batching=logprob_batching(recipe),
                        update=policy_update_settings(recipe, sampling=sampling))
     reference = None
+    if recipe.actor.lora is not None and (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss):
+        # No reference engine: the reference policy is the actor's frozen base, its adapters switched off.
+        reference = PolicyRole(actor_group, batching=logprob_batching(recipe), adapters=False)
     if "reference" in pools:
         ref_group = _engine_group(recipe, "reference", pools["reference"], hf_config=hf_config, weights=weights,
                                   log_dir=log_dir)
@@ -115,7 +122,8 @@ def _hand_off_sft(recipe: Recipe, engines: _Engines, *, data, run_dir: Path, tra
     run_sft_warmup(engines.actor, data, recipe, tracker, stop_requested=lambda: preemption.requested)
     if preemption.requested:
         raise Preempted(None, None)
-    followers = [engines.reference.group] if engines.reference is not None else []
+    reference = engines.reference
+    followers = [reference.group] if reference is not None and reference.group is not engines.actor.group else []
     if engines.critic is not None and not recipe.critic.model_path:
         followers.append(engines.critic.group)
     if followers:
@@ -171,6 +179,9 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
     fleet = _start_fleet(recipe, engines.actor, pool=pools["rollout"], weights=weights, data=data, api_key=api_key,
                          run_dir=run_dir, log_dir=log_dir, cleanup=cleanup)
     roles.rollout = memory.fleet = fleet
+    if memory.enabled:
+        # A restarted server gets the current weights while the engines sleep: the actor wakes for a full sync.
+        fleet.set_resync(lambda: memory.sync_from_sleep(lambda: fleet.sync_weights(version=fleet.synced_version)))
     multi_turn = multi_turn_settings(recipe)
     if multi_turn is not None:
         # Registered after fleet.shutdown: the sandbox and the environment stop first, on the fleet's loop.
@@ -183,6 +194,22 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
                                          cleanup=cleanup)
     memory.sync_from_sleep(lambda: roles.sync_weights(version=version))  # the fleet generates first
     return roles
+
+
+def _async_rollout(recipe: Recipe, settings: StepSettings, *, roles: Roles, data,
+                   resume_from: StepCheckpoint | None, start_step: int, cleanup: ExitStack) -> AsyncRollout | None:
+    """The producer and buffer of `rollout.async` (None without it), continuing a checkpoint's resume point (one
+    written by a synchronous run: its next step's batch)."""
+    if settings.async_rollout is None:
+        return None
+    ahead = AsyncRollout(roles.rollout, data.train_batches, sampling=settings.sampling, rollout_n=settings.rollout_n,
+                         batch_size=recipe.data.train_batch_size, max_staleness=settings.async_rollout.max_staleness,
+                         total_steps=recipe.trainer.total_steps,
+                         in_flight_updates=settings.async_rollout.in_flight_updates)
+    state = resume_from.controller_state().get("async") if resume_from is not None else None
+    ahead.restore(state if state is not None else {"next_batch": start_step, "trained": {}})
+    cleanup.callback(ahead.close)
+    return ahead
 
 
 def _tracker(recipe: Recipe, run_dir: Path, resume_from: StepCheckpoint | None) -> Tracker:
@@ -233,11 +260,13 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
         roles = _start_roles(recipe, pools=pools, weights=weights, data=data, sampling=sampling, run_dir=run_dir,
                              tracker=tracker, cleanup=cleanup, resume_from=resume_from, preemption=preemption)
         preemption.on_request(roles.rollout.stop_generating)
-        trainer = Trainer(roles, step_settings(recipe, sampling=sampling, num_devices=total_devices(pools)),
-                          stop_requested=lambda: preemption.requested, on_phase=on_phase)
+        settings = step_settings(recipe, sampling=sampling, num_devices=total_devices(pools))
+        trainer = Trainer(roles, settings, stop_requested=lambda: preemption.requested, on_phase=on_phase)
+        ahead = _async_rollout(recipe, settings, roles=roles, data=data, resume_from=resume_from,
+                               start_step=start_step, cleanup=cleanup)
         loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
                         preemption=preemption, newest=resume_from,
-                        val_sampling=validation_sampling(recipe, eos_token_id=eos))
+                        val_sampling=validation_sampling(recipe, eos_token_id=eos), ahead=ahead)
         loop.run(start_step)
     return run_dir
 

@@ -200,6 +200,25 @@ class RolloutClient:
         ]
         self.run(self._all("POST", "/update_weights_from_tensor", bodies))
 
+    def load_lora_adapter_from_tensors(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
+                                       *, checksums: dict[str, str] | None = None) -> None:
+        """Load a PEFT adapter (its `adapter_config.json` as `config`, tensors with PEFT's names) on every server
+        as `name`: one pickle per server TP rank, as for weight updates; `checksums` ({tensor: digest,
+        `weight_wire.tensor_checksum`}) are checked by the server."""
+        bodies = [{"lora_name": name, "config_dict": config,
+                   "serialized_named_tensors": entries_for_tp_ranks(list(named_tensors), tp_size),
+                   "expected_checksums": checksums}
+                  for tp_size in self.tp_sizes()]
+        self.run(self._all("POST", "/load_lora_adapter_from_tensors", bodies))
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory `path` (which every server must see) on every server as `name`."""
+        self.run(self._all("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter `name` on every server (each waits for the requests that still use it)."""
+        self.run(self._all("POST", "/unload_lora_adapter", {"lora_name": name}))
+
     def tp_sizes(self) -> list[int]:
         """Each server's TP size from `/server_info` (a server that does not say has 1), asked once."""
         if self._tp_sizes is None:
@@ -284,8 +303,34 @@ class RolloutClient:
             return text
 
 
+    async def stream(self, url: str, endpoint: str, body: Any) -> list[Any]:
+        """A streamed POST (`stream: true` in `body`): every `data:` event's JSON, in order, until `data: [DONE]`.
+
+        Errors as `request`'s; an event carrying `error` (SGLang streams a failure that way) raises it."""
+        events: list[Any] = []
+        try:
+            async with self._ensure_session().post(f"{url}{endpoint}", json=body) as response:
+                if response.status >= 400:
+                    raise RolloutError(url, endpoint, response.status, _error_message(await response.text()))
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[len("data:"):].strip()
+                    if payload == "[DONE]":
+                        return events
+                    event = json.loads(payload)
+                    if isinstance(event, dict) and "error" in event:
+                        raise RolloutError(url, endpoint, 500, _error_message(payload))
+                    events.append(event)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            raise RolloutError(url, endpoint, None, f"{type(error).__name__}: {error}") from error
+        raise RolloutError(url, endpoint, None, "the stream ended without data: [DONE]")
+
+
 def _error_message(text: str) -> str:
-    """The message inside SGLang's error bodies (`{"error": {"message"}}`, `{"message"}`), else the raw text."""
+    """The message inside SGLang's error bodies (`{"error": {"message"}}`, `{"message"}`, a LoRA reply's
+    `{"error_message"}`), else the raw text."""
     try:
         payload = json.loads(text)
     except ValueError:
@@ -298,6 +343,8 @@ def _error_message(text: str) -> str:
             return error
         if "message" in payload:
             return str(payload["message"])
+        if payload.get("error_message"):
+            return str(payload["error_message"])
         if "detail" in payload:
             return str(payload["detail"])
     return text.strip()[:2000]

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import yaml
 
 from megarl.ports import free_port
+from megarl.processes import blocked_sigterm, stop_signal
 
 LOG_TAIL_CHARS = 4000
 
@@ -47,6 +48,7 @@ class ServerHandle:
     process: subprocess.Popen
     log_path: Path
     api_key: str | None = None
+    stop_signal: int = signal.SIGTERM  # SIGINT where the server runs shielded from SIGTERM (megarl.processes)
     secrets_path: Path | None = None  # the --config file holding the key, removed once the server stops
     _stopped: bool = field(default=False, repr=False)
 
@@ -61,7 +63,7 @@ class ServerHandle:
             return ""
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL it if it has not exited in `timeout_s`."""
+        """Signal the server's process group (`stop_signal`), then SIGKILL it if it has not exited in `timeout_s`."""
         if self._stopped:
             return
         self._stopped = True
@@ -69,7 +71,7 @@ class ServerHandle:
             if self.process.poll() is not None:
                 return
             # The server was started in its own session, so its process group id is its PID.
-            _signal_group(self.process.pid, signal.SIGTERM)
+            _signal_group(self.process.pid, self.stop_signal)
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -124,8 +126,15 @@ def cpu_engine_command(
     max_sequences: int | None = None,
     max_reply_entries: int | None = None,
     deterministic: bool = False,
+    enable_lora: bool = False,
+    max_lora_rank: int | None = None,
+    lora_target_modules: list[str] | None = None,
+    lora_paths: list[str] | None = None,
+    max_loras_per_batch: int | None = None,
+    max_loaded_loras: int | None = None,
 ) -> list[str]:
-    """The argv that runs one CPU engine server; `config` is a file of further arguments (the API key)."""
+    """The argv that runs one CPU engine server (LoRA flags as SGLang's); `config` is a file of further arguments
+    (the API key)."""
     command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
     command += ["--log-level", log_level]
@@ -133,25 +142,33 @@ def cpu_engine_command(
                 "--seed": seed, "--dtype": dtype, "--health-check-timeout-s": health_check_timeout_s,
                 "--weight-update-group-timeout-s": weight_update_group_timeout_s,
                 "--max-request-bytes": max_request_bytes, "--max-sequences": max_sequences,
-                "--max-reply-entries": max_reply_entries}
+                "--max-reply-entries": max_reply_entries, "--max-lora-rank": max_lora_rank,
+                "--max-loras-per-batch": max_loras_per_batch, "--max-loaded-loras": max_loaded_loras}
     for flag, value in optional.items():
         if value is not None:
             command += [flag, str(value)]
+    for flag, values in (("--lora-target-modules", lora_target_modules), ("--lora-paths", lora_paths)):
+        if values:
+            command += [flag, *map(str, values)]
     switches = {"--enable-memory-saver": enable_memory_saver, "--enable-weights-cpu-backup": enable_weights_cpu_backup,
-                "--enable-deterministic-inference": deterministic}
+                "--enable-deterministic-inference": deterministic, "--enable-lora": enable_lora}
     return command + [flag for flag, on in switches.items() if on]
 
 
 def spawn_server(command: list[str], *, url: str, log_path: str | Path, env: dict[str, str] | None = None,
                  api_key: str | None = None, secrets_path: Path | None = None) -> ServerHandle:
-    """Start `command` in its own session with stdout+stderr appended to `log_path`; does not wait."""
+    """Start `command` in its own session with stdout+stderr appended to `log_path`; does not wait.
+
+    Below a launched job's Ray node the server starts with SIGTERM blocked, as the node itself: only the
+    driver acts on Slurm's SIGTERM, and stops the server (with SIGINT) once it no longer needs it."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    with open(log_path, "ab") as log, blocked_sigterm():
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
         )
-    return ServerHandle(url=url, process=process, log_path=log_path, api_key=api_key, secrets_path=secrets_path)
+    return ServerHandle(url=url, process=process, log_path=log_path, api_key=api_key, stop_signal=stop_signal(),
+                        secrets_path=secrets_path)
 
 
 def start_cpu_engine(

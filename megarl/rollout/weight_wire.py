@@ -24,6 +24,7 @@ engine accepts is exactly what real SGLang 0.5.23 accepts:
   UUID back to a local index (`device_index_for_uuid`).
 - SGLang's weight checksums (`tensor_checksum`, `rank_checksum`, `engine_checksum`) for
   `/weights_checker` and `weight_sync.verify: checksum`.
+- The name of the adapter a weight version loads (`lora_adapter_name`).
 - Weight-update groups: `new_update_group` is SGLang's `init_custom_process_group`
   rendezvous (TCP store at the trainer, `PrefixStore(group_name)`, a group outside
   the default one) for both the trainer (rank 0) and each server TP rank.
@@ -49,6 +50,8 @@ from typing import Any
 import torch
 import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 from torch.multiprocessing import reductions
+
+from megarl.net import gloo_interface_toward, host_port
 
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
@@ -254,6 +257,12 @@ def deserialize_named_tensors(serialized: str | bytes, *, load_format: str | Non
 
 # ---- checksums (SGLang's `/weights_checker`, `srt/utils/weight_checker.py`) ----------------------
 
+def lora_adapter_name(version: object) -> str:
+    """The name a LoRA adapter pushed under weight version `version` is loaded as (adapter-only sync), which
+    every generation then names as its `lora_path`."""
+    return f"megarl-v{version}"
+
+
 # Non-persistent buffers SGLang leaves out of its checksum (rotary tables and the like, rebuilt, never loaded).
 UNCHECKED_BUFFER_PATTERNS = ("cos_sin_cache", "inv_freq", "freqs_cis", "_weight_fp32")
 
@@ -311,8 +320,11 @@ def new_update_group(*, master_address: str, master_port: int, rank: int, world_
     """Join weight-update group `group_name` as `rank` (0 hosts the store); blocks until every rank joined."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
+    if backend == "gloo":
+        gloo_interface_toward(master_address)  # gloo's own pick is the hostname's address, maybe 127.0.1.1
     timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store, _, _ = next(rendezvous(f"tcp://{host_port(master_address, master_port)}", rank, world_size,
+                                  timeout=timeout))
     store.set_timeout(timeout)
     group = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, timeout=timeout)
