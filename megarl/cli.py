@@ -139,6 +139,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    if args.markdown:
+        from megarl.config.reference import recipe_reference
+
+        sys.stdout.write(recipe_reference())
+        return 0
     from megarl.config import recipe_json_schema
 
     print(json.dumps(recipe_json_schema(), indent=2))
@@ -232,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(run=_cmd_export)
 
     schema = verbs.add_parser("schema", help="print the recipe JSON Schema")
+    schema.add_argument("--markdown", action="store_true",
+                        help="print it as the Markdown recipe reference instead (docs/recipe.md)")
     schema.set_defaults(run=_cmd_schema)
 
     preprocess = verbs.add_parser("preprocess", help="turn local GSM8K/MATH files into train/test parquet")

@@ -27,7 +27,7 @@ PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "srun", "sinfo")
 MUNGE_SOCKET = Path("/run/munge/munge.socket.2")
 
-# PLATFORM.md's configuration that started in 11-22 s, with private paths and ports.
+# A configuration that started in 11-22 s on a 2-core machine, with private paths and ports.
 CONFIG = """\
 ClusterName=megarl-ci
 SlurmctldHost={host}(127.0.0.1)
