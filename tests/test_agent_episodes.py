@@ -8,6 +8,7 @@ change the trained ids and fail these tests.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -247,3 +248,47 @@ def test_one_slow_tool_holds_up_only_its_own_episode():
                                         generate=Scripted(["x"], delay_s=0.05), settings=settings()))
     assert len(trajectories) == 8 and finished[-1][0] == "slow"
     assert max(seconds for uid, seconds in finished if uid != "slow") < 1.0
+
+
+def test_misbehaving_tools_inside_episodes_are_contained_and_every_episode_ends():
+    """One batch of episodes whose calls hang, exhaust memory, fork without end, print 100 MB, raise, or are
+    malformed: each model reads why, the batch completes, and the counters say what happened."""
+    programs = {
+        "hang": "import time\ntime.sleep(60)",
+        "memory": "x = bytearray(2 << 30)",
+        "fork": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        "flood": "import sys\nsys.stdout.write('y' * 100_000_000)",
+        "raise": "raise ValueError('no')",
+    }
+    call = '<tool_call>{"name":"python","arguments":{"code":%s}}</tool_call>'
+    scripts = [[call % json.dumps(code), "#### 1"] for code in programs.values()]
+    scripts.append(['<tool_call>{"name":"python","arguments":{"code":1}</tool_call>', "#### 1"])  # bad JSON
+
+    async def scenario():
+        pool = SandboxPool(tools=["python"], size=2, limits=Limits(wall_s=2.0, cpu_s=1, memory_mb=512,
+                                                                   max_output_bytes=65536, max_processes=32,
+                                                                   max_file_mb=4))
+        await pool.start()
+        try:
+            box = ToolBox(pool, format=TOOL_CALL_FORMATS.get("hermes").target)
+            before = box.snapshot()
+            env = ToolUseEnvironment(tools=box)
+            episodes = [play(row=row(truth="1", uid=f"u{index}"), prompt_ids=prompt_ids(), env=env,
+                             chat=ChatSegments(TOKENIZER, max_tokens=64), parse=PARSE, generate=Scripted(script),
+                             settings=settings(), seed=None) for index, script in enumerate(scripts)]
+            return await asyncio.gather(*episodes), box.metrics_since(before)
+        finally:
+            await pool.close()
+
+    trajectories, metrics = asyncio.run(scenario())
+    replies = [trajectory.segments[1].text for trajectory in trajectories]
+    assert replies[0] == "Error: the tool ran longer than 2 s and was stopped"
+    assert replies[1] == "Error: the tool needed more than 512 MB of memory"
+    assert replies[2].startswith("Error: the tool") and "stopped" in replies[2]
+    assert replies[3] == "Error: the tool printed more than 65536 bytes and was stopped"
+    assert replies[4] == "Error: ValueError: no"
+    assert replies[5].startswith("Error: malformed tool call: the call is not valid JSON")
+    # Every episode went on to its answer and was rewarded.
+    assert [[reward for _, reward in t.rewards] for t in trajectories] == [[1.0]] * 6
+    assert metrics["tool/python/calls"] == 5 and metrics["tool/python/errors"] == 5
+    assert metrics["tool/python/timeouts"] == 2 and metrics["multi_turn/invalid_tool_calls"] == 1

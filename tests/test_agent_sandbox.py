@@ -161,3 +161,59 @@ def test_where_unshare_is_refused_the_probe_says_so_and_limits_still_hold(monkey
 
 def test_isolation_round_trips_through_the_ready_line():
     assert Isolation.from_json(GRANTED.to_json()) == GRANTED
+
+
+def test_an_unprivileged_worker_gets_a_user_namespace_or_says_why():
+    """The same calls from a process that is not root (here: a child that dropped to `nobody`): with user
+    namespaces allowed the walls stand (mapped root inside, nothing outside); without, the probe names
+    what is missing."""
+    import json
+    import os
+    import shutil
+    import tempfile
+    import traceback
+    from pathlib import Path
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to another user for the test")
+    from megarl.agent.tools import python
+
+    root = Path(tempfile.mkdtemp(prefix="megarl-unprivileged-"))  # pytest's tmp dirs are private to root
+    scratch, hidden = root / "scratch", root / "run"
+    scratch.mkdir()
+    hidden.mkdir()
+    (hidden / "metrics.jsonl").write_text("secret")
+    os.chmod(root, 0o755)
+    os.chmod(scratch, 0o777)
+    limits = Limits(**{**vars(LIMITS), "memory_mb": 1 << 20})  # forked from this process: no memory limit here
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the unprivileged child
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            isolation_module._libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: as an exec'd unprivileged process is
+            granted = probe([str(hidden)])
+            calls = {name: run_call({"tool": "python", "arguments": {"code": code}}, tools={"python": python},
+                                    isolation=granted, limits=limits, scratch_root=str(scratch), hidden=[str(hidden)])
+                     for name, code in (("net", "import socket\nsocket.socket().connect(('127.0.0.1', 9))"),
+                                        ("run_dir", f"import os\nprint(os.listdir({str(hidden)!r}))"))}
+            os.write(write_end, json.dumps({"isolation": granted.to_json(), "calls": calls}).encode())
+        except BaseException:  # noqa: BLE001 - the parent shows it
+            os.write(write_end, json.dumps({"error": traceback.format_exc()}).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as reader:
+        report = json.loads(reader.read())
+    os.waitpid(pid, 0)
+    shutil.rmtree(root, ignore_errors=True)
+    assert "error" not in report, report.get("error")
+    granted = Isolation.from_json(report["isolation"])
+    if granted.user_namespace:
+        assert granted.network and granted.pid and granted.mounts and granted.drop_to is None
+        assert "Network is unreachable" in report["calls"]["net"]["text"]
+        assert report["calls"]["run_dir"] == {"kind": "ok", "text": "[]"}
+    else:
+        assert granted.flags == 0 and granted.missing and "NO network isolation" in granted.describe()

@@ -4,17 +4,21 @@ Checks the contract of a run (every timing key and metric name of docs/metrics.m
 that the recipe's phases produce, files in the run dir), that weight sync is
 verified by `rollout/logprob_diff` ~ 0 right after each sync (the CPU engine really
 drops its weights while the engines train, so a sync that missed a tensor shows),
-that a fixed seed reproduces the run with the sleep/wake cycle switched off, and
-that GRPO improves the training score.
+that a fixed seed reproduces the run with the sleep/wake cycle switched off, that
+no process of the run holds its API key on its command line, and that GRPO
+improves the training score.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import megarl.controller.run as run_module
 from megarl.config import load_recipe
 from megarl.controller.run import train
 
@@ -65,14 +69,49 @@ def _check_the_log_of_a_file(err: str, run_dir: Path) -> None:
     assert len((run_dir / "sft_metrics.jsonl").read_text().splitlines()) == 20
 
 
+class CommandLines:
+    """Every command line on the machine, read from /proc every few milliseconds while in use: which held
+    `secret` (any local user can read them), and how many megarl server processes were seen at all."""
+
+    def __init__(self, secret: str):
+        self.secret, self.leaks, self.servers = secret, [], set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join(10)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            for path in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    line = path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue  # the process ended meanwhile
+                if self.secret in line:
+                    self.leaks.append(line)
+                if "megarl.rollout.cpu_engine" in line:
+                    self.servers.add(path.parent.name)
+
+
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path, capsys):
+def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path, monkeypatch, capsys):
     # KL in the loss switches the reference role (and `timing_s/ref`) on.
     overrides = ["trainer.total_steps=2", "trainer.val_every=2", "sft_warmup.steps=20",
                  "data.synthetic.num_val=64",
                  "actor.use_kl_loss=true", "trainer.checkpoint.save_every=1", "trainer.checkpoint.keep_last=1"]
-    first = _run(tmp_path, "a", *overrides, console=True)
+    # The run's API key, known to the test: no process the run starts may carry it on its command line.
+    key = "cmdline-probe-7f3c9a2e41b8d605"
+    monkeypatch.setattr(run_module, "secrets", SimpleNamespace(token_hex=lambda nbytes: key))
+    with CommandLines(key) as lines:
+        first = _run(tmp_path, "a", *overrides, console=True)
+    assert lines.servers and not lines.leaks, lines.leaks
     _check_the_log_of_a_file(capsys.readouterr().err, tmp_path / "a")
     steps = [record for record in first if "timing_s/step" in record]
     assert [record["step"] for record in steps] == [1, 2]

@@ -9,11 +9,11 @@ what came since, and the trained ids are the generated ids.
 
 An episode ends when the environment says `done` (its reward on the model's last token), or is
 truncated: by the budget (a turn used the last tokens without ending, or the reply would leave
-the model no token), or by `max_turns` (the last reply would never be read, so it is not added). A
-truncated episode's reward follows `on_truncation`: `fixed` gives `truncation_reward`,
-`environment` asks the environment (`Environment.truncated`, with the turn the budget cut off,
-which it never stepped on). A turn's own reward sits on that
-turn's last token.
+the model no token), or by `max_turns` (the last reply would never be read, so it is not
+added). A truncated episode's reward follows `on_truncation`: `fixed` gives
+`truncation_reward`, `environment` asks the environment (`Environment.truncated`, with the turn
+the budget cut off, which it never stepped on). A turn's own reward sits on that turn's last
+token.
 
 `play_all` runs every episode of a batch as its own task on one event loop: while one waits for
 a tool or the environment, the others generate, so one slow tool holds up only its episode.

@@ -16,6 +16,7 @@ from typing import Any
 
 from megarl.config.layout import TRAINING_ROLES, active_roles, role_parallel, role_pool, rollout_layout, training_layout
 from megarl.config.schema import Recipe, read_hf_config
+from megarl.config.sglang_args import sglang_block_problems
 from megarl.errors import InputError
 from megarl.registry import ADVANTAGE_ESTIMATORS, ENVIRONMENTS, MODEL_SPECS, REWARD_COMBINE_MODES, WEIGHT_SYNC_TRANSPORTS
 
@@ -255,6 +256,7 @@ def _check_synthetic_sizes(recipe: Recipe) -> list[Problem]:
 
 def _check_rollout(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem]:
     rollout, placement, problems = recipe.rollout, recipe.placement, []
+    problems += [Problem("rollout.sglang", line) for line in sglang_block_problems(rollout.sglang, where="rollout.sglang")]
     if placement.device == "cpu" and rollout.backend == "sglang":
         problems.append(_problem("rollout.backend", "SGLang needs placement.device: cuda; use backend 'cpu'", "sglang"))
     if ADVANTAGE_ESTIMATORS.get(recipe.algorithm.adv_estimator).needs_groups and rollout.n < 2:
@@ -374,6 +376,9 @@ def _check_reward(recipe: Recipe) -> list[Problem]:
                                  "or reward.remote", reward.combine))
     if reward.combine == "rule_gated" and reward.gate.fail_score is None:
         problems.append(_problem("reward.gate.fail_score", "required with reward.combine: rule_gated", None))
+    if reward.judge is not None:
+        problems += [Problem("reward.judge.sglang", line)
+                     for line in sglang_block_problems(reward.judge.sglang, where="reward.judge.sglang")]
     if reward.judge is not None and role_pool(recipe.placement, "judge") is not None:
         fleet = rollout_layout(recipe, "judge")
         if fleet.world_size > fleet.pool.size:

@@ -167,6 +167,13 @@ class RolloutConfig(Section):
         "shared filesystem, every server at once",
     )
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang server arguments, passed through")
+    deterministic: bool = Field(
+        False,
+        description="start the servers with --enable-deterministic-inference, so each sample's sampling_seed is "
+        "honoured: a sample retried on another server, or after a resume, is the same sample. Without it SGLang "
+        "ignores the seed. Cost on SGLang: batch-invariant kernels, slower decoding, and only the FlashInfer, FA3 "
+        "and Triton attention backends; measure it with megarl bench",
+    )
     engine_threads: PositiveInt = Field(1, le=MAX_THREADS, description="torch threads of one CPU engine")
     routing: Literal["client", "router"] = Field(
         "client", description="spread generation requests in megarl's client, or through sglang-router"

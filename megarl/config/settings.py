@@ -172,8 +172,10 @@ class FleetSettings:
     bound to `bind` (from `port` up, or free ports), with `threads` torch threads (CPU engine) or
     `mem_fraction` of the device and `sglang_args` (SGLang); `enable_memory_saver` lets it release memory
     between phases. Requests: `max_concurrency` per server, spread by `routing` ("client" or "router" with
-    `router_policy`), seeded from `seed`; a server has `startup_timeout_s` to come up. `model_path` and
-    `tokenizer_path`: fixed weights (the judge), or None for the run's initial weights (the policy)."""
+    `router_policy`), seeded from `seed` (honoured with `deterministic`: --enable-deterministic-inference); a
+    CPU engine takes at most `max_sequences` sequences per request (None: its default); a server has
+    `startup_timeout_s` to come up. `model_path` and `tokenizer_path`: fixed weights (the judge), or None for
+    the run's initial weights (the policy)."""
 
     backend: str
     num_servers: int
@@ -191,6 +193,8 @@ class FleetSettings:
     startup_timeout_s: float
     model_path: str | None
     tokenizer_path: str | None
+    deterministic: bool = False
+    max_sequences: int | None = None
 
 
 @dataclass(frozen=True)
@@ -455,6 +459,8 @@ def rollout_fleet_settings(recipe: Recipe) -> FleetSettings:
         sglang_args=dict(rollout.sglang), enable_memory_saver=sleeps_between_phases(recipe),
         max_concurrency=rollout.max_concurrency, routing=rollout.routing, router_policy=rollout.router_policy,
         seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s, model_path=None, tokenizer_path=None,
+        # One request carries one prompt's group of samples: a larger one is no request of this run's.
+        deterministic=rollout.deterministic, max_sequences=rollout.n,
     )
 
 
@@ -468,6 +474,7 @@ def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
         enable_memory_saver=False, max_concurrency=judge.max_concurrency, routing="client",
         router_policy=rollout.router_policy, seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s,
         model_path=judge.model_path, tokenizer_path=judge.tokenizer or judge.model_path,
+        deterministic=rollout.deterministic,
     )
 
 
