@@ -52,7 +52,8 @@ def _check_the_log_of_a_file(err: str, run_dir: Path) -> None:
     """stderr went to a file (pytest's capture, no terminal): the banner, the warm-up's progress and its end, then
     exactly one plain line per step; controller.log has the banner, the warm-up's end and each validation."""
     lines = err.splitlines()
-    start = lines.index("megarl train a: fresh run, 2 steps after an SFT warm-up of 20 steps")
+    warmup_limit = "at most 20" if load_recipe(QUICKSTART).sft_warmup.stop_loss is not None else "20"
+    start = lines.index(f"megarl train a: fresh run, 2 steps after an SFT warm-up of {warmup_limit} steps")
     assert lines[start + 1] == f"  run dir  {run_dir}"
     assert lines[start + 2].startswith("  metrics  metrics.jsonl, sft_metrics.jsonl (the warm-up), tensorboard/")
     assert lines[start + 4].startswith("  layout   device cpu, colocated")
