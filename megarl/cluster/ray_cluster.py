@@ -25,7 +25,8 @@ _RAY_ENV = {
 
 
 def _worker_env() -> dict[str, str]:
-    keep = ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MEGARL_")
+    keep = ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+            "MEGARL_")
     env = {k: v for k, v in os.environ.items() if k.startswith(keep)}
     env.update({k: os.environ.get(k, v) for k, v in _RAY_ENV.items()})
     return env
