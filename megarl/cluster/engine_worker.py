@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 import resource
-import socket
 from typing import Any
 
 import torch
 
 from megarl.cluster.worker_group import WorkerGroup
 from megarl.config.settings import Batching, EngineSettings, WeightSyncSettings
-from megarl.ports import free_port
+from megarl.ports import free_port, node_address
 from megarl.protocol import Batch
 
 ENGINE_KINDS = ("policy", "value", "reward")
@@ -45,13 +44,14 @@ class MegatronWorker:
             _redirect_output(log_path)
         self.engine = None  # a TrainEngine once init_engine ran
         self._weight_sync = None
+        self._adapter_sync = None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     def master_endpoint(self) -> tuple[str, int]:
-        """Called on rank 0: where the other ranks meet it for the process group."""
-        local = self.world_size == 1 or not torch.cuda.is_available()
-        host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-        return host, free_port()
+        """Called on rank 0: where the other ranks meet it for the process group (its node's routable address,
+        which a one-rank engine does not need)."""
+        host = "127.0.0.1" if self.world_size == 1 else node_address()
+        return host, free_port("")  # the store listens on every interface
 
     def init_engine(self, settings: EngineSettings, *, master_addr: str, master_port: int, hf_config: dict,
                     weights: str | None) -> None:
@@ -70,7 +70,7 @@ class MegatronWorker:
         if settings.kind == "policy":
             from megarl.engines.actor import PolicyEngine
 
-            self.engine = PolicyEngine(**common)
+            self.engine = PolicyEngine(**common, lora_settings=settings.lora)
         elif settings.kind == "value":
             from megarl.engines.critic import ValueEngine
 
@@ -90,9 +90,10 @@ class MegatronWorker:
         return result if self.parallel_layout()["is_output"] else None
 
     def compute_log_prob(self, shard: Batch, *, key: str, temperature: float, with_entropy: bool,
-                         batching: Batching) -> Batch | None:
+                         batching: Batching, adapters: bool = True) -> Batch | None:
+        """Log-probs (and entropy) of this rank's rows under `key`; `adapters=False`: a LoRA policy's base model."""
         log_probs, entropy = self.engine.compute_log_prob(shard, temperature=temperature, with_entropy=with_entropy,
-                                                          batching=batching)
+                                                          batching=batching, adapters=adapters)
         out = {key: log_probs, **({"entropy": entropy} if with_entropy else {})}
         return self._output(Batch.from_dict(out))
 
@@ -136,6 +137,10 @@ class MegatronWorker:
             return torch.cuda.max_memory_allocated() / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
+    def train_state_gb(self) -> float:
+        """The weights, gradient buffers and optimizer state this rank's engine holds while it trains."""
+        return self.engine.train_state_bytes() / 2**30
+
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
                      devices: list[list[str]] | None = None) -> dict[str, float] | None:
         """Load this policy's weights into every server in `urls` under `version`; metrics on rank 0, else None.
@@ -147,12 +152,19 @@ class MegatronWorker:
         from megarl.engines.distributed import parallel_layout
         from megarl.weightsync.engine_sync import EngineWeightSync
         from megarl.weightsync.groups import RankCoords
+        from megarl.weightsync.lora_sync import AdapterSync
 
+        coords = RankCoords.from_layout(parallel_layout())
+        adapters = self.engine.adapter_shards() if settings.lora == "adapter" else None
+        if adapters is not None:  # a LoRA policy's adapters alone (`weight_sync.lora: adapter`)
+            if self._adapter_sync is None:
+                self._adapter_sync = AdapterSync()
+            return self._adapter_sync.push(adapters, coords=coords, urls=urls, api_key=api_key, version=version,
+                                           settings=settings)
         if self._weight_sync is None:
             self._weight_sync = EngineWeightSync()
-        return self._weight_sync.push(self.engine.weight_shards(), coords=RankCoords.from_layout(parallel_layout()),
-                                      urls=urls, api_key=api_key, version=version, settings=settings,
-                                      server_devices=devices)
+        return self._weight_sync.push(self.engine.weight_shards(), coords=coords, urls=urls, api_key=api_key,
+                                      version=version, settings=settings, server_devices=devices)
 
     def close_weight_sync(self) -> None:
         """Leave the servers' weight-update groups and close the sync clients (before the servers stop)."""
