@@ -37,6 +37,7 @@ from megarl.config.settings import (
     rollout_fleet_settings,
     rollout_sampling,
     sleeps_between_phases,
+    StepSettings,
     step_settings,
     validation_sampling,
     value_update_settings,
@@ -53,6 +54,7 @@ from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.resume import resume_or_start
 from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
+from megarl.controller.rollout_ahead import AsyncRollout
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.step import Trainer
 from megarl.errors import InputError
@@ -198,6 +200,22 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
     return roles
 
 
+def _async_rollout(recipe: Recipe, settings: StepSettings, *, roles: Roles, data,
+                   resume_from: StepCheckpoint | None, start_step: int, cleanup: ExitStack) -> AsyncRollout | None:
+    """The producer and buffer of `rollout.async` (None without it), continuing a checkpoint's resume point (one
+    written by a synchronous run: its next step's batch)."""
+    if settings.async_rollout is None:
+        return None
+    ahead = AsyncRollout(roles.rollout, data.train_batches, sampling=settings.sampling, rollout_n=settings.rollout_n,
+                         batch_size=recipe.data.train_batch_size, max_staleness=settings.async_rollout.max_staleness,
+                         total_steps=recipe.trainer.total_steps,
+                         in_flight_updates=settings.async_rollout.in_flight_updates)
+    state = resume_from.controller_state().get("async") if resume_from is not None else None
+    ahead.restore(state if state is not None else {"next_batch": start_step, "trained": {}})
+    cleanup.callback(ahead.close)
+    return ahead
+
+
 def _tracker(recipe: Recipe, run_dir: Path, resume_from: StepCheckpoint | None) -> Tracker:
     logging = recipe.trainer.logging
     wandb = logging.wandb
@@ -256,11 +274,13 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
         roles = _start_roles(recipe, pools=pools, weights=weights, data=data, sampling=sampling, run_dir=run_dir,
                              tracker=tracker, cleanup=cleanup, resume_from=resume_from, preemption=preemption)
         preemption.on_request(roles.rollout.stop_generating)
-        trainer = Trainer(roles, step_settings(recipe, sampling=sampling, num_devices=total_devices(pools)),
-                          stop_requested=lambda: preemption.requested, on_phase=on_phase)
+        settings = step_settings(recipe, sampling=sampling, num_devices=total_devices(pools))
+        trainer = Trainer(roles, settings, stop_requested=lambda: preemption.requested, on_phase=on_phase)
+        ahead = _async_rollout(recipe, settings, roles=roles, data=data, resume_from=resume_from,
+                               start_step=start_step, cleanup=cleanup)
         loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
                         preemption=preemption, newest=resume_from,
-                        val_sampling=validation_sampling(recipe, eos_token_id=eos))
+                        val_sampling=validation_sampling(recipe, eos_token_id=eos), ahead=ahead)
         loop.run(start_step)
     return run_dir
 
