@@ -336,6 +336,52 @@ def test_an_in_flight_update_pauses_requests_in_place_and_their_tokens_carry_bot
     assert all(r.weight_version == r.token_versions[-1] for r in results.values())
 
 
+class _PromptLoader:
+    """PROMPTS as prompt batches of 4, in order, forever (the loader's position is its state)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def __next__(self) -> dict:
+        rows = [PROMPTS[(self.position + i) % len(PROMPTS)] for i in range(4)]
+        self.position += 4
+        ids, mask = left_pad(rows, 0)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+
+
+@pytest.mark.dist
+def test_async_rollout_through_a_killed_server_trains_every_uid_once(fleet, pushes):
+    """Asynchronous RL (k = 1, in-flight updates) while a server is killed: its requests are re-sent to the other,
+    the server is restarted and re-synced, and every uid reaches the trainer exactly once, within the bound."""
+    from megarl.controller.rollout_ahead import AsyncRollout
+
+    fleet.sync_weights(version=30)
+    ahead = AsyncRollout(fleet, _PromptLoader(), sampling=sampling(MAX_RESPONSE, ignore_eos=True), rollout_n=N,
+                         batch_size=4, max_staleness=1, total_steps=4, in_flight_updates=True)
+    trained, victim = [], fleet.status()[1]
+    for step in range(4):
+        ahead.admit_until(step)
+        if step == 1:
+            _wait_for_a_running_request(fleet)
+            os.kill(victim["pid"], signal.SIGKILL)
+        version = int(fleet.weight_version)
+        groups, metrics = ahead.take(version=version, stop_requested=lambda: False)
+        assert metrics["async/staleness/max"] <= 1
+        assert all(version - int(v) <= 1 for g in groups for tokens in g.token_versions for v in tokens)
+        trained += [g.uid for g in groups]
+        fleet.sync_weights(version=version + 1)
+        ahead.commit(groups)
+        ahead.admit_until(step + 1)
+    ahead.close()
+    assert collections.Counter(trained) == {f"b{b}-p{p}": 1 for b in range(4) for p in range(4)}
+    assert fleet.wait_for_restarts(120)
+    fleet.sync_weights(version=40)  # a restarted server serves again from the next sync on
+    assert fleet.status()[1]["restarts"] == victim["restarts"] + 1 and fleet.status()[1]["state"] == "up"
+
+
 @pytest.mark.dist
 def test_update_and_generate_endpoints_refuse_requests_without_the_key(fleet):
     url = fleet.urls[0]

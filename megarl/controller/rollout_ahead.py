@@ -66,6 +66,7 @@ class AsyncRollout:
         """The batch's groups (the oldest complete ones, within the bound) and the async/* metrics."""
 
         def check() -> None:
+            self.producer.fleet.serve_stalled()  # a restarted server gets its weights on this (the driver's) thread
             if self.producer.failure is not None:
                 raise self.producer.failure
             if stop_requested():

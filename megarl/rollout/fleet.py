@@ -277,15 +277,20 @@ class RolloutFleet:
             try:
                 return generation.result(timeout=STALL_POLL_S)
             except concurrent.futures.TimeoutError:
-                stall = self._stall
-                if stall is None or stall.done():
-                    continue
-                try:
-                    self._resync()
-                except BaseException as error:  # noqa: BLE001 - the waiting requests raise it
-                    stall.set_exception(error)
-                else:
-                    stall.set_result(None)
+                self.serve_stalled()
+
+    def serve_stalled(self) -> None:
+        """When a generation stalls with no server left to serve but restarted (stale) ones, re-sync them and let it
+        go on; call it on the driver's thread while waiting for a generation (`start_generation`'s too)."""
+        stall = self._stall
+        if stall is None or stall.done():
+            return
+        try:
+            self._resync()
+        except BaseException as error:  # noqa: BLE001 - the waiting requests raise it
+            stall.set_exception(error)
+        else:
+            stall.set_result(None)
 
     async def _checked(self, coroutine: Coroutine[Any, Any, T]) -> T:
         # Checks before and after: a server may have died while idle, and the router
