@@ -150,6 +150,32 @@ def test_dispatch_fails_at_once_on_a_bad_request_and_after_bounded_attempts():
     assert len(targets.failures) == 2
 
 
+def test_partial_rollouts_resend_prompt_plus_tokens_so_far_and_join_the_parts():
+    """A weight update aborts each sample after 2 of its 5 tokens (version 1); the re-sent request carries the
+    prompt plus those tokens and asks for the 3 left; the result is the joined sample, its tokens tagged 1 then 2."""
+    bodies: list[dict] = []
+
+    async def request(url, method, endpoint, body):
+        bodies.append(body)
+        prompt, budget = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        if budget == 5:
+            return {"output_ids": [70, 71], "meta_info": {"finish_reason": {"type": "abort", "message": "paused"},
+                                                          "weight_version": "1",
+                                                          "output_token_logprobs": [[-0.1, 70, None],
+                                                                                    [-0.2, 71, None]]}}
+        tokens = list(range(80, 80 + budget))
+        return {"output_ids": tokens, "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "2",
+                                                    "output_token_logprobs": [[-0.5, t, None] for t in tokens]}}
+
+    (result,) = asyncio.run(generate_rows([[1, 2]], [[0]], sampling=sampling(5), seed=3, targets=FakeTargets(["u"]),
+                                          request=request, max_attempts=2, partial=True))
+    assert [body["input_ids"] for body in bodies] == [[1, 2], [1, 2, 70, 71]]
+    assert bodies[1]["sampling_params"]["max_new_tokens"] == 3
+    assert result.output_ids == [70, 71, 80, 81, 82] and result.finish_reason == "length"
+    assert result.logprobs == [-0.1, -0.2, -0.5, -0.5, -0.5]
+    assert result.token_versions == ["1", "1", "2", "2", "2"] and result.weight_version == "2"
+
+
 # ---- a real fleet -----------------------------------------------------------------------------
 
 
