@@ -10,6 +10,7 @@ is stopped here, by handle, also when a signal stops the run (`preemption`).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from megarl.config.settings import (
     weight_sync_settings,
 )
 from megarl.controller import run_state
+from megarl.controller.banner import start_banner
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import StepCheckpoint, load_step
 from megarl.controller.loop import StepLoop
@@ -59,6 +61,8 @@ from megarl.errors import InputError
 from megarl.rollout import RolloutFleet
 from megarl.tracking.tracker import Tracker, controller_log
 from megarl.tracking.wandb_sink import WandbSink
+
+logger = logging.getLogger(__name__)
 
 
 def _engine_group(recipe: Recipe, role: str, pool, *, hf_config: dict, weights: Path, log_dir: Path) -> WorkerGroup:
@@ -237,7 +241,13 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
     if problems:
         raise InputError(problems)
     run_dir = prepare_run_dir(recipe)
-    resume_from = resume_or_start(run_dir, recipe, say=lambda line: print(f"megarl: {line}", flush=True))
+    decisions: list[str] = []  # shown now, written to controller.log once it is open
+
+    def decide(line: str) -> None:
+        decisions.append(line)
+        print(f"megarl: {line}", flush=True)
+
+    resume_from = resume_or_start(run_dir, recipe, say=decide)
     start_step = resume_from.step if resume_from is not None else 0
     if start_step >= recipe.trainer.total_steps:
         print(f"megarl: {run_dir} already completed step {start_step} (trainer.total_steps="
@@ -250,8 +260,12 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
     checkpoint = recipe.trainer.checkpoint
 
     with controller_log(run_dir), ExitStack() as cleanup:
+        for line in decisions:
+            logger.info(line)
         tracker = _tracker(recipe, run_dir, resume_from)
         cleanup.callback(tracker.close)
+        for line in start_banner(recipe, run_dir, resume_from):
+            tracker.message(line)
         ray_for_run(cleanup, ray_address)
         # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
         preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
