@@ -1,6 +1,6 @@
 """End to end: `megarl train` on the quickstart recipe (shortened), on the session's Ray cluster.
 
-Checks the contract of a run (every timing key and metric name of DESIGN.md §5
+Checks the contract of a run (every timing key and metric name of docs/metrics.md
 that the recipe's phases produce, files in the run dir), that weight sync is
 verified by `rollout/logprob_diff` ~ 0 right after each sync (the CPU engine really
 drops its weights while the engines train, so a sync that missed a tensor shows),
@@ -42,10 +42,32 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
+def _run(tmp_path: Path, name: str, *overrides: str, console: bool = False) -> list[dict]:
     recipe = load_recipe(QUICKSTART, [f"trainer.output_dir={tmp_path}", f"name={name}",
-                                      "trainer.logging.console=false", *overrides])
+                                      f"trainer.logging.console={str(console).lower()}", *overrides])
     return _records(train(recipe))
+
+
+def _check_the_log_of_a_file(err: str, run_dir: Path) -> None:
+    """stderr went to a file (pytest's capture, no terminal): the banner, the warm-up's progress and its end, then
+    exactly one plain line per step; controller.log has the banner, the warm-up's end and each validation."""
+    lines = err.splitlines()
+    warmup_limit = "at most 20" if load_recipe(QUICKSTART).sft_warmup.stop_loss is not None else "20"
+    start = lines.index(f"megarl train a: fresh run, 2 steps after an SFT warm-up of {warmup_limit} steps")
+    assert lines[start + 1] == f"  run dir  {run_dir}"
+    assert lines[start + 2].startswith("  metrics  metrics.jsonl, sft_metrics.jsonl (the warm-up), tensorboard/")
+    assert lines[start + 4].startswith("  layout   device cpu, colocated")
+    warmup = [line.split("  ")[0] for line in lines if line.startswith("sft warm-up")]
+    assert warmup[:2] == ["sft warm-up 1/20", "sft warm-up 20/20"] and len(warmup) == 3
+    assert warmup[2].startswith("sft warm-up done at step 20, loss ") and warmup[2].endswith("step limit reached)")
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split("  ")[0] for line in steps] == ["step 1/2", "step 2/2"]
+    assert " val " in steps[1] and "(step 2)" in steps[1] and "s/step  elapsed " in steps[0] and "gen " in steps[0]
+    log = (run_dir / "logs" / "controller.log").read_text()
+    for text in ("megarl train a: fresh run", "sft warm-up done at step 20", "validation at step 0: val/score/mean",
+                 "validation at step 2: val/score/mean"):
+        assert text in log, text
+    assert len((run_dir / "sft_metrics.jsonl").read_text().splitlines()) == 20
 
 
 class CommandLines:
@@ -80,7 +102,7 @@ class CommandLines:
 
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path, monkeypatch):
+def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path, monkeypatch, capsys):
     # KL in the loss switches the reference role (and `timing_s/ref`) on.
     overrides = ["trainer.total_steps=2", "trainer.val_every=2", "sft_warmup.steps=20",
                  "data.synthetic.num_val=64",
@@ -89,8 +111,9 @@ def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path, monke
     key = "cmdline-probe-7f3c9a2e41b8d605"
     monkeypatch.setattr(run_module, "secrets", SimpleNamespace(token_hex=lambda nbytes: key))
     with CommandLines(key) as lines:
-        first = _run(tmp_path, "a", *overrides)
+        first = _run(tmp_path, "a", *overrides, console=True)
     assert lines.servers and not lines.leaks, lines.leaks
+    _check_the_log_of_a_file(capsys.readouterr().err, tmp_path / "a")
     steps = [record for record in first if "timing_s/step" in record]
     assert [record["step"] for record in steps] == [1, 2]
     for record in steps:

@@ -30,7 +30,7 @@ from megarl.cluster.ray_ports import free_block
 from megarl.processes import MARK_ENV, sweep
 
 # Worker processes inherit these: loopback only, no usage reporting, one
-# OpenMP thread per rank (PLATFORM.md: without it step times swing 60x).
+# OpenMP thread per rank (without it, measured step times on 2 cores swung 60x).
 _RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -42,7 +42,8 @@ _RAY_ENV = {
 
 
 def _worker_env() -> dict[str, str]:
-    keep = ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MEGARL_")
+    keep = ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+            "MEGARL_")
     env = {k: v for k, v in os.environ.items() if k.startswith(keep)}
     env.update({k: os.environ.get(k, v) for k, v in _RAY_ENV.items()})
     return env
