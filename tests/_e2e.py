@@ -1,0 +1,64 @@
+"""The shortened quickstart runs the end-to-end tests share: each runs once per session (conftest's
+`grpo_reference` and `ppo_reference`), the contract tests check what a run logs and writes on it, and
+test_e2e_resume resumes copies of it, which must reproduce it.
+
+Both are 4 steps with a checkpoint after every step (the 3 newest kept, so step 1's is pruned), validation
+every 2 steps, sample rows written and a short warm-up; the entropy bonus makes sure every update moves the
+actor (and with it the next step's samples).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+STEPS = 4
+SHORT = ["trainer.logging.console=false", "sft_warmup.steps=5", "sft_warmup.batch_size=32",
+         "data.synthetic.num_val=16", f"trainer.total_steps={STEPS}", "trainer.val_every=2", "actor.entropy_coeff=0.01",
+         "trainer.checkpoint.save_every=1", "trainer.checkpoint.keep_last=3", "trainer.samples.train_rows=2",
+         "trainer.samples.val_rows=4"]
+# GRPO with KL in the loss: the reference role (and its checkpoint) is part of the run.
+GRPO = ["data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=16",
+        "actor.use_kl_loss=true"]
+# PPO with both KL options: in the reward with the adaptive controller (its coefficient moves every step), and
+# in the actor loss; the critic warm-up (step 1) freezes the actor.
+PPO_KL = dict(coef=0.01, target=0.05, horizon=2000)
+PPO = ["data.train_batch_size=16", "critic.warmup_steps=1", "critic.ppo_mini_batch_size=32",
+       "actor.ppo_mini_batch_size=32", "critic.ppo_micro_batch_size=16", "actor.ppo_micro_batch_size=16",
+       "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+       *(f"algorithm.kl_ctrl.{key}={PPO_KL[name]}" for key, name in
+         [("kl_coef", "coef"), ("target_kl", "target"), ("horizon", "horizon")]),
+       "actor.use_kl_loss=true"]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run of `recipe` (a file in recipes/) with `overrides`, in `run_dir`."""
+
+    recipe: str
+    overrides: tuple[str, ...]
+    run_dir: Path
+
+    def records(self) -> list[dict]:
+        return records(self.run_dir)
+
+    def train(self, output_dir: Path, name: str, *more: str) -> Path:
+        """`megarl train` of the same recipe and overrides (then `more`) as run `name` in `output_dir`."""
+        from megarl.config import load_recipe
+        from megarl.controller.run import train
+
+        return train(load_recipe(RECIPES / self.recipe, [f"trainer.output_dir={output_dir}", f"name={name}",
+                                                         *self.overrides, *more]))
+
+
+def reference_run(recipe: str, overrides: list[str], output_dir: Path) -> Run:
+    """Run `recipe` with SHORT and `overrides` as run "full" in `output_dir`."""
+    run = Run(recipe, (*SHORT, *overrides), output_dir / "full")
+    assert run.train(output_dir, "full") == run.run_dir
+    return run
