@@ -11,7 +11,8 @@ on the server to closing it. Next to them, measured in the same run on the same
 bytes: one memcpy (single thread, as every rank runs with OMP_NUM_THREADS=1), two
 such copies at once in two processes, and a raw gloo broadcast between two
 processes in the same bucket-sized pieces. Targets: tensor within 2x of memcpy,
-distributed within 3x of the raw broadcast.
+distributed within 1.5x of the raw broadcast (both reached before the receiving
+server scanned every tensor for NaN; the sync is bandwidth-bound again).
 
 The tensor transport copies every byte twice (the trainer ranks assemble each
 bucket in shared memory, the server copies it into its weights), overlapped
@@ -215,13 +216,13 @@ def build_report(args, *, params: int, nbytes: int, buckets: int, memcpy_s: floa
     gb = nbytes / 1e9
     table = report.add_table("transports and bounds", [
         Column("path"), Column("time", "s", ".2f"), Column("rate", "GB/s", ".2f"), Column("bound"),
-        Column("ratio to bound", "x", ".1f"), Column("target", "x", ".0f"), Column("first sync", "s", ".2f"),
+        Column("ratio to bound", "x", ".1f"), Column("target", "x", ".1f"), Column("first sync", "s", ".2f"),
     ])
     table.add_row("memcpy (one copy, 1 thread)", memcpy_s, gb / memcpy_s, None, None, None, None)
     table.add_row("two copies at once (2 processes)", two_copies_s, gb / two_copies_s, "memcpy",
                   two_copies_s / memcpy_s, None, None)
     table.add_row("raw gloo broadcast (1 -> 1)", gloo_s, gb / gloo_s, None, None, None, None)
-    bounds = {"tensor": ("memcpy", memcpy_s, 2.0), "distributed": ("gloo", gloo_s, 3.0),
+    bounds = {"tensor": ("memcpy", memcpy_s, 2.0), "distributed": ("gloo", gloo_s, 1.5),
               "disk": ("memcpy", memcpy_s, None)}
     verdicts = []
     for label, (name, times) in results.items():

@@ -112,6 +112,29 @@ class Registry:
         self.get(name)
         return name
 
+    def resolve(self, spec: str) -> Entry:
+        """A registered name, or a user's entry named by its Python path "package.module:attribute", imported
+        now (its metadata: the attribute's `registry_meta` dict, if any); ValueError naming `spec` otherwise."""
+        if ":" not in spec:
+            return self.get(spec)
+        module_name, _, attribute = spec.partition(":")
+        if not module_name or not attribute:
+            raise ValueError(f"{self.what} {spec!r}: expected a registered name or 'package.module:attribute'")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as error:  # a broken user module may raise anything on import
+            raise ValueError(f"{self.what} {spec!r}: cannot import module {module_name!r} "
+                             f"({type(error).__name__}: {error})") from None
+        if not hasattr(module, attribute):
+            raise ValueError(f"{self.what} {spec!r}: module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(module, attribute)
+        return Entry(spec, target, MappingProxyType(dict(getattr(target, "registry_meta", {}))))
+
+    def check_spec(self, spec: str) -> str:
+        """`spec` when `resolve` finds it (a pydantic validator: `megarl validate` imports user entries)."""
+        self.resolve(spec)
+        return spec
+
 
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator", builtins="megarl.algorithms.advantages")
 LOSS_AGG_MODES = Registry("loss_agg_mode", builtins="megarl.algorithms.losses")
@@ -123,3 +146,6 @@ JUDGE_PARSERS = Registry("judge parser", builtins="megarl.rewards.judge")
 MODEL_SPECS = Registry("model_type", builtins="megarl.models.spec")
 # Each transport carries the bound `megarl bench` measures its syncs against (megarl.weightsync.bounds.SyncBound).
 WEIGHT_SYNC_TRANSPORTS = Registry("weight-sync transport", builtins="megarl.weightsync", required=("bound",))
+TOOL_CALL_FORMATS = Registry("tool-call format", builtins="megarl.agent.tool_calls")
+TOOLS = Registry("tool", builtins="megarl.agent.tools")
+ENVIRONMENTS = Registry("environment", builtins="megarl.agent.environments")

@@ -2,6 +2,9 @@
 `grpo_reference` and `ppo_reference`), the contract tests check what a run logs and writes on it, and
 test_e2e_resume resumes copies of it, which must reproduce it.
 
+The GRPO run's processes are watched: its API key is fixed by the test, and no command line on
+the machine may show it while the run lasts.
+
 Both are 4 steps with a checkpoint after every step (the 3 newest kept, so step 1's is pruned), validation
 every 2 steps, sample rows written and a short warm-up; the entropy bonus makes sure every update moves the
 actor (and with it the next step's samples).
@@ -10,8 +13,12 @@ actor (and with it the next step's samples).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 STEPS = 4
@@ -33,6 +40,39 @@ PPO = ["data.train_batch_size=16", "critic.warmup_steps=1", "critic.ppo_mini_bat
        "actor.use_kl_loss=true"]
 
 
+API_KEY = "cmdline-probe-7f3c9a2e41b8d605"
+
+
+class CommandLines:
+    """Every command line on the machine, read from /proc every few milliseconds while in use: which held
+    `secret` (any local user can read them), and how many megarl server processes were seen at all."""
+
+    def __init__(self, secret: str):
+        self.secret, self.leaks, self.servers = secret, [], set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join(10)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.02):
+            for path in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    line = path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue  # the process ended meanwhile
+                if self.secret in line:
+                    self.leaks.append(line)
+                if "megarl.rollout.cpu_engine" in line:
+                    self.servers.add(path.parent.name)
+
+
 def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -44,6 +84,7 @@ class Run:
     recipe: str
     overrides: tuple[str, ...]
     run_dir: Path
+    watched: CommandLines | None = field(default=None, compare=False)
 
     def records(self) -> list[dict]:
         return records(self.run_dir)
@@ -57,8 +98,16 @@ class Run:
                                                          *self.overrides, *more]))
 
 
-def reference_run(recipe: str, overrides: list[str], output_dir: Path) -> Run:
-    """Run `recipe` with SHORT and `overrides` as run "full" in `output_dir`."""
+def reference_run(recipe: str, overrides: list[str], output_dir: Path, *, watch: bool = False) -> Run:
+    """Run `recipe` with SHORT and `overrides` as run "full" in `output_dir`; with `watch`, under API_KEY and
+    with every command line watched for it (`Run.watched`)."""
     run = Run(recipe, (*SHORT, *overrides), output_dir / "full")
-    assert run.train(output_dir, "full") == run.run_dir
-    return run
+    if not watch:
+        assert run.train(output_dir, "full") == run.run_dir
+        return run
+    import megarl.controller.run as run_module
+
+    with pytest.MonkeyPatch.context() as patch, CommandLines(API_KEY) as lines:
+        patch.setattr(run_module, "secrets", SimpleNamespace(token_hex=lambda nbytes: API_KEY))
+        assert run.train(output_dir, "full") == run.run_dir
+    return Run(run.recipe, run.overrides, run.run_dir, lines)

@@ -231,6 +231,16 @@ def actor_outputs(*, rank: int, checkpoint: str, batch: dict, ppo: dict, sft_bat
         out["ref_update_error"] = None
     except NotImplementedError as error:
         out["ref_update_error"] = str(error)
+
+    # A diverged step (NaN advantages: NaN loss and gradient) stops there, naming what went non-finite.
+    from megarl.engines.engine_base import TrainingDiverged
+
+    diverging = {**update_batch, "advantages": torch.full_like(update_batch["advantages"], float("nan"))}
+    try:
+        grad_engine.update(diverging, policy_update(micro_batch_size=rows, **plain_ppo))
+        out["diverged"] = None
+    except TrainingDiverged as error:
+        out["diverged"] = str(error)
     return out
 
 

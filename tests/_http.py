@@ -29,3 +29,10 @@ def call(url: str, path: str, body: Any = None, *, method: str | None = None, ke
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def weight_checksums(url: str, *, key: str | None = None) -> dict[str, str]:
+    """The per-tensor checksums a server's weight checker reports (`POST /weights_checker`, action checksum)."""
+    status, reply = call(url, "/weights_checker", {"action": "checksum"}, key=key)
+    assert status == 200 and reply["success"], reply
+    return {name: checksum for rank in reply["ranks"] for name, checksum in rank["checksums"].items()}

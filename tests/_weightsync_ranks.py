@@ -13,7 +13,7 @@ from _engine_workers import policy_engine
 from megarl.config.settings import WeightSyncSettings
 from megarl.models import arch_from_hf, hf_param_shapes, hf_to_megatron, shard_for_rank
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.weight_wire import tensor_digest
+from megarl.rollout.weight_wire import held_checksum
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
 
 API_KEY = "sync-key"
@@ -43,11 +43,12 @@ def local_shards(hf, layout: TrainerLayout, *, tp_rank: int = 0, pp_rank: int = 
 
 
 def server_digests(client: RolloutClient) -> dict[str, str]:
-    return client.run(client.request(client.urls[0], "GET", "/weights_checksum"))["checksums"]
+    reply = client.run(client.request(client.urls[0], "POST", "/weights_checker", {"action": "checksum"}))
+    return {name: checksum for rank in reply["ranks"] for name, checksum in rank["checksums"].items()}
 
 
 def reference_digests(hf) -> dict[str, str]:
-    return {name: tensor_digest(tensor) for name, tensor in hf.items()}
+    return {name: held_checksum(tensor) for name, tensor in hf.items()}
 
 
 def tp2_pp2_rank(*, rank: int, world_size: int, port: int, url: str, disk_dir: str, transports: list[str],

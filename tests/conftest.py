@@ -84,10 +84,11 @@ def warmed_quickstart(ray_session, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def grpo_reference(ray_session, tmp_path_factory):
     """The shortened GRPO quickstart (tests/_e2e.py), run once per session: the contract test checks it,
-    the resume test resumes its copy."""
+    the resume test resumes its copy; its command lines are watched for its API key."""
     import _e2e
 
-    return _e2e.reference_run("quickstart-grpo-cpu.yaml", _e2e.GRPO, tmp_path_factory.mktemp("grpo_reference"))
+    return _e2e.reference_run("quickstart-grpo-cpu.yaml", _e2e.GRPO, tmp_path_factory.mktemp("grpo_reference"),
+                              watch=True)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from megarl.cli import main
 from megarl.cluster.engine_worker import MegatronWorker
@@ -133,6 +134,34 @@ def test_resume_refuses_a_changed_model_data_or_algorithm_one_line_per_key(tmp_p
         tmp_path, "trainer.total_steps=100", "trainer.val_every=3", "trainer.logging.tensorboard=false",
         "placement.gpus_per_node=2", "rollout.num_servers=2", "actor.parallel.tp=2", "actor.ppo_micro_batch_size=32", "actor.optim.lr=1e-4",
         "trainer.checkpoint.save_every=5", "rollout.max_concurrency=8"))
+
+
+def _without(recipe_text: str, *keys: str) -> str:
+    """`recipe_text` as a megarl from before `keys` existed wrote it: those (dotted) keys removed."""
+    tree = yaml.safe_load(recipe_text)
+    for key in keys:
+        *parents, leaf = key.split(".")
+        section = tree
+        for name in parents:
+            section = section[name]
+        del section[leaf]
+    return yaml.safe_dump(tree)
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_at_that_keys_default(tmp_path):
+    remote = ["reward.remote.url=http://127.0.0.1:9/score"]
+    checkpoint = _save(_roles(), tmp_path / "run", 2, _recipe(tmp_path, *remote))
+    new_keys = ("actor.policy_loss", "actor.lora", "reward.remote.on_failure", "weight_sync.lora")
+    recipe_file = checkpoint.path / "recipe.yaml"
+    recipe_file.write_text(_without(recipe_file.read_text(), *new_keys))
+    check_compatible(checkpoint, _recipe(tmp_path, *remote))
+    # Set to anything but its default, a key the old run did not have changes what the run computes.
+    changed = _recipe(tmp_path, *remote, "actor.policy_loss=gspo", "reward.remote.on_failure=drop")
+    with pytest.raises(InputError) as error:
+        check_compatible(checkpoint, changed)
+    assert [line.split(":")[0] for line in error.value.problems] == ["actor.policy_loss", "reward.remote.on_failure"]
+    assert error.value.problems[0].endswith("(it was written with <unset>); keep it, or start over with "
+                                            "--no-resume (got 'gspo')")
 
 
 def test_megarl_train_refuses_an_incompatible_resume_with_status_2_naming_the_key(tmp_path, capsys):

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from _http import call as http_call
+from _http import call as http_call, weight_checksums
 from _tiny import greedy_continuation
 from megarl.ports import free_port
 from megarl.rollout.server import ServerStartError, start_cpu_engine
@@ -103,7 +103,7 @@ def other_reference(model_dirs):
 
 @pytest.fixture(scope="module")
 def server(model_dirs, cpu_engine):
-    return cpu_engine(model_dirs["base"], api_key=API_KEY, weight_version="v0", seed=123)
+    return cpu_engine(model_dirs["base"], api_key=API_KEY, weight_version="v0", seed=123, deterministic=True)
 
 
 def call(server, path: str, body=None, *, method: str = "POST", key: str | None = API_KEY, raw: bytes | None = None):
@@ -559,7 +559,7 @@ def test_launcher_reports_a_server_that_cannot_start(tmp_path):
 def test_dtype_serves_in_the_checkpoints_or_the_given_dtype_and_refuses_lossy_updates(model_dirs, tmp_path):
     """`--dtype` as SGLang's: "auto" keeps the checkpoint's bf16; a bf16 engine takes bf16 bit for bit and
     refuses float32 (rounding would change the trainer's weights silently)."""
-    from megarl.rollout.weight_wire import tensor_digest
+    from megarl.rollout.weight_wire import held_checksum
     from megarl.rollout.cpu_engine.weights import WeightUpdateError, apply_named_tensors, load_model
 
     build_model(2).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
@@ -575,9 +575,10 @@ def test_dtype_serves_in_the_checkpoints_or_the_given_dtype_and_refuses_lossy_up
     handle = start_cpu_engine(model_dirs["base"], api_key=API_KEY, log_path=tmp_path / "server.log", dtype="bfloat16")
     try:
         info = call(handle, "/get_server_info", method="GET")[1]
-        digests = call(handle, "/weights_checksum", method="GET")[1]["checksums"]
+        digests = weight_checksums(handle.url, key=API_KEY)
     finally:
         handle.stop()
     assert info["dtype"] == "bfloat16"
     base = AutoModelForCausalLM.from_pretrained(str(model_dirs["base"]), dtype=torch.bfloat16)
-    assert digests["model.layers.1.mlp.down_proj.weight"] == tensor_digest(base.model.layers[1].mlp.down_proj.weight)
+    assert digests["model.layers.1.mlp.down_proj.weight"] == held_checksum(base.model.layers[1].mlp.down_proj.weight,
+                                                                           torch.bfloat16)

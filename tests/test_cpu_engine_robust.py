@@ -16,14 +16,13 @@ import threading
 import time
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_cpu_engine import API_KEY, VOCAB, build_model, call, word_tokenizer
+from test_weight_wire import gadgets
 
 from megarl.ports import free_port
 from megarl.rollout.server import start_cpu_engine
-from megarl.rollout.weight_wire import serialize_named_tensors
 
 pytestmark = [pytest.mark.robust, pytest.mark.dist]
 
@@ -111,22 +110,20 @@ def test_deeply_nested_json_is_400(server):
     assert status == 400 and "nested deeper than 32 levels" in reply["error"]["message"]
 
 
-def _tensor_update(name: str, tensor: torch.Tensor) -> dict:
-    return {"serialized_named_tensors": [serialize_named_tensors([(name, tensor)])], "flush_cache": False}
-
-
-def test_nan_weights_are_refused_naming_the_tensor_and_nothing_changes(server):
+@pytest.mark.parametrize("kind", ["builtins", "torch", "functools", "operator", "after an allowed global"])
+def test_gadget_payloads_with_the_key_are_refused_by_name_nothing_runs_and_the_server_stays_up(server, kind,
+                                                                                              tmp_path):
+    """Whoever holds the API key still cannot run code through a tensor update: each chain is refused at its
+    first global outside SGLang's exact allow-list, in SGLang's words."""
+    entry, refused_at = gadgets(tmp_path / "pwned")[kind]
     assert call(server, "/begin_weight_update", {})[0] == 200
     try:
-        poisoned = torch.full((VOCAB, 64), float("nan"))
-        status, reply = call(server, "/update_weights_from_tensor", _tensor_update("model.embed_tokens.weight",
-                                                                                    poisoned))
+        status, reply = call(server, "/update_weights_from_tensor", {"serialized_named_tensors": [entry]})
     finally:
         call(server, "/end_weight_update", {})
-    assert status == 400 and "model.embed_tokens.weight: holds NaN or infinite values" in reply["message"]
-    status, out = call(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3},
-                                             "return_logprob": True})
-    assert status == 200 and all(entry[0] == entry[0] for entry in out["meta_info"]["output_token_logprobs"])
+    assert status == 400 and f"Blocked unsafe global ({refused_at})" in reply["message"], reply
+    assert not (tmp_path / "pwned").exists()
+    assert healthy(server)
 
 
 def test_weights_resumed_undefined_refuse_generation_until_pushed(server, model_dir):
@@ -139,15 +136,26 @@ def test_weights_resumed_undefined_refuse_generation_until_pushed(server, model_
     assert call(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}})[0] == 200
 
 
+def test_a_sampling_seed_is_ignored_without_deterministic_inference(server):
+    """SGLang reads sampling_seed only with --enable-deterministic-inference; this server runs without it, so
+    the same seeded request twice draws two samples (the module's other servers honour the seed)."""
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0,
+                                                         "ignore_eos": True, "sampling_seed": 5}}
+    first, second = (call(server, "/generate", body) for _ in range(2))
+    assert first[0] == second[0] == 200
+    assert first[1]["output_ids"] != second[1]["output_ids"]
+
+
 def running_requests(server) -> int:
     info = call(server, "/server_info", method="GET")[1]
     return info["num_running_reqs"] + info["num_waiting_reqs"]
 
 
 def test_an_abandoned_request_stops_decoding(server):
-    # 2000 samples of 250 tokens take far longer than the few seconds allowed below: only an abort ends them.
+    # 256 samples (the server's --max-sequences) of 250 tokens take far longer than the few seconds allowed
+    # below: only an abort ends them.
     body = json.dumps({"input_ids": [1, 2, 3],
-                       "sampling_params": {"max_new_tokens": 250, "ignore_eos": True, "n": 2000}}).encode()
+                       "sampling_params": {"max_new_tokens": 250, "ignore_eos": True, "n": 256}}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as raw:
         raw.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -32,6 +32,7 @@ from test_cpu_engine import (
     start_long_request,
     wait_running,
 )
+from _http import weight_checksums
 from test_weight_wire import FlattenedTensorMetadata
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -45,7 +46,7 @@ from megarl.rollout.weight_wire import (
     flatten_bucket,
     serialize_named_tensors,
     serialize_payload,
-    tensor_digest,
+    tensor_checksum,
 )
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan
 from megarl.weightsync.tensor_transport import TensorTransport
@@ -118,10 +119,10 @@ def restore(handle, models) -> None:
     assert status == 200 and reply["success"], reply
 
 
-def test_own_metadata_class_kills_the_server_and_the_memory_saver_needs_its_flag(models):
-    """megarl's old tensor transport pickled its own metadata class: SGLang's allow-list refuses it and its
-    scheduler dies on the first bucket. Also: without --enable-memory-saver a release is refused (SGLang
-    would answer success and free nothing, leaving the trainer without memory)."""
+def test_own_metadata_class_is_refused_by_name_and_the_memory_saver_needs_its_flag(models):
+    """megarl's old tensor transport pickled its own metadata class: SGLang's allow-list of exact globals
+    refuses it, in SGLang's words, and nothing is loaded. Also: without --enable-memory-saver a release is
+    refused (SGLang would answer success and free nothing, leaving the trainer without memory)."""
     handle = start(models, "own-class")
     try:
         status, reply = call(handle, "/release_memory_occupation", {"tags": ["weights"]})
@@ -132,9 +133,10 @@ def test_own_metadata_class_kills_the_server_and_the_memory_saver_needs_its_flag
                for m in flat["metadata"]]
         entry = serialize_payload({"flattened_tensor": flat["flattened_tensor"], "metadata": own})
         assert call(handle, "/begin_weight_update", {})[0] == 200
-        fatal(handle, call(handle, "/update_weights_from_tensor",
-                           {"serialized_named_tensors": [entry], "load_format": "flattened_bucket"}),
-              r"Blocked unsafe class loading \(test_weight_wire\.FlattenedTensorMetadata\)")
+        status, reply = call(handle, "/update_weights_from_tensor",
+                             {"serialized_named_tensors": [entry], "load_format": "flattened_bucket"})
+        assert status == 400 and "Blocked unsafe global (test_weight_wire.FlattenedTensorMetadata)" in reply["message"]
+        assert call(handle, "/health", method="GET", key=None)[0] == 200
     finally:
         handle.stop()
 
@@ -251,14 +253,17 @@ def rss_bytes(pid: int) -> int:
 
 def test_release_really_frees_the_weights_refuses_work_and_resume_needs_a_push(server, models, reference, other):
     weight_bytes = sum(t.numel() * 4 for t in reference.state_dict().values())
-    before_digests = call(server, "/weights_checksum", method="GET")[1]["checksums"]
+    before_digests = weight_checksums(server.url, key=API_KEY)
     resident = rss_bytes(server.pid)
     assert call(server, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})[0] == 200
     # The weights' memory went back to the OS (independent of the server's own account).
     assert resident - rss_bytes(server.pid) > 0.8 * weight_bytes
+    # Generating on released memory is SGLang running a forward pass on freed GPU memory: a loud error,
+    # for /health's one-token generation too, so a test catches any prober.
     status, reply = call(server, "/generate", greedy_body(PROMPTS[0], max_new_tokens=2))
-    assert status == 400 and "memory is released" in reply["error"]["message"]
-    assert call(server, "/health", method="GET", key=None)[0] == 503
+    assert status == 500 and "released memory" in reply["error"]["message"]
+    assert call(server, "/health", method="GET", key=None)[0] == 500
+    assert "/health ran a generation on released memory" in server.log_tail()
     assert call(server, "/begin_weight_update", {})[0] == 200
     status, reply = call(server, "/update_weights_from_tensor",
                          {"serialized_named_tensors": [serialize_named_tensors([("model.norm.weight", torch.ones(512))])]})
@@ -269,9 +274,9 @@ def test_release_really_frees_the_weights_refuses_work_and_resume_needs_a_push(s
 
     # Weights first (verl's and slime's order): without a host copy they come back undefined (NaN here).
     assert call(server, "/resume_memory_occupation", {"tags": ["weights"]})[0] == 200
-    undefined = call(server, "/weights_checksum", method="GET")[1]["checksums"]
-    assert undefined["model.norm.weight"] == tensor_digest(torch.full((512,), float("nan")))
-    assert call(server, "/generate", greedy_body(PROMPTS[0], max_new_tokens=2))[0] == 400  # kv_cache still released
+    undefined = weight_checksums(server.url, key=API_KEY)
+    assert undefined["model.norm.weight"] == tensor_checksum(torch.full((512,), float("nan")))
+    assert call(server, "/generate", greedy_body(PROMPTS[0], max_new_tokens=2))[0] == 500  # kv_cache still released
     try:
         # The fleet's cycle: push the trainer's weights into the resumed memory, then resume the KV cache.
         with RolloutClient([server.url], api_key=API_KEY, timeout_s=120) as client:
@@ -287,16 +292,16 @@ def test_release_really_frees_the_weights_refuses_work_and_resume_needs_a_push(s
     finally:
         call(server, "/resume_memory_occupation", {})
         restore(server, models)
-    assert call(server, "/weights_checksum", method="GET")[1]["checksums"] == before_digests
+    assert weight_checksums(server.url, key=API_KEY) == before_digests
 
 
 def test_with_a_host_copy_resumed_weights_are_the_released_ones(models, reference):
     handle = start(models, "backup", enable_memory_saver=True, enable_weights_cpu_backup=True)
     try:
-        before = call(handle, "/weights_checksum", method="GET")[1]["checksums"]
+        before = weight_checksums(handle.url, key=API_KEY)
         assert call(handle, "/release_memory_occupation", {})[0] == 200
         assert call(handle, "/resume_memory_occupation", {})[0] == 200
-        assert call(handle, "/weights_checksum", method="GET")[1]["checksums"] == before
+        assert weight_checksums(handle.url, key=API_KEY) == before
         assert generate(handle, greedy_body(PROMPTS[0], max_new_tokens=4))["output_ids"] == greedy_continuation(
             reference, PROMPTS[0], 4)
     finally:
@@ -313,7 +318,7 @@ def test_fleet_releases_and_resumes_its_servers_memory_around_a_sync(models, oth
         fleet.set_weight_source(str(models["other"]))
         fleet.release_memory()
         status, reply = call(SimpleNamespace(url=fleet.urls[0]), "/generate", greedy_body(PROMPTS[0], max_new_tokens=2))
-        assert status == 400 and "memory is released" in reply["error"]["message"]
+        assert status == 500 and "released memory" in reply["error"]["message"]
         fleet.resume_memory(["weights"])
         fleet.sync_weights(version=7)
         fleet.resume_memory(["kv_cache", "cuda_graph"])

@@ -4,9 +4,10 @@ Checks the contract of a run on the session's shortened GRPO run (tests/_e2e.py)
 every timing key and metric name of DESIGN.md §5 that the recipe's phases produce,
 files in the run dir, and that weight sync is verified by `rollout/logprob_diff` ~ 0
 right after each sync (the CPU engine really drops its weights while the engines
-train, so a sync that missed a tensor shows); and that GRPO improves the training
-score. That a fixed seed reproduces the run, also with the sleep/wake cycle switched
-off, is checked by test_e2e_resume on the same run.
+train, so a sync that missed a tensor shows); that no process of the run holds its
+API key on its command line; and that GRPO improves the training score. That a fixed
+seed reproduces the run, also with the sleep/wake cycle switched off, is checked by
+test_e2e_resume on the same run.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def test_short_run_logs_the_contract(grpo_reference):
     # `timing_s/ref`) on. That a fixed seed reproduces a run, with or without the sleep/wake cycle, is
     # test_e2e_resume's check on the same run.
     first = grpo_reference.records()
+    # Its API key was known to the test: no process the run started carried it on its command line.
+    assert grpo_reference.watched.servers and not grpo_reference.watched.leaks, grpo_reference.watched.leaks
     steps = [record for record in first if "timing_s/step" in record]
     assert [record["step"] for record in steps] == [1, 2, 3, 4]
     for record in steps:

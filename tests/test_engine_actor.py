@@ -9,6 +9,8 @@ the other parallel layouts (TP, PP, VPP, DP) is compared with TP1PP1 in test_eng
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -203,6 +205,14 @@ def test_sft_step_reduces_the_loss_and_starts_from_the_hf_nll(setup):
     assert losses[-1] < losses[0] - 0.1
     assert out["sft_metrics"][0]["sft/lr"] == 1e-2
     assert out["lr_after_sft"] == pytest.approx(1e-3)  # the RL schedule is untouched
+
+
+def test_a_non_finite_loss_stops_the_step_naming_it(setup):
+    """Divergence is caught in the trainer, where it happens, not by scanning every weight on the servers."""
+    message = setup[4]["diverged"]
+    assert message is not None and re.match(r"training diverged at update call \d+, epoch 1, mini-batch 1: ", message)
+    assert "actor/pg_loss is nan" in message and "actor/grad_norm is nan" in message
+    assert "before these weights reach the rollout servers" in message
 
 
 def test_hf_state_dict_round_trip_after_load(setup):

@@ -47,16 +47,18 @@ SAMPLING = sampling(MAX_RESPONSE, stop_token_ids=STOP_IDS)
 
 def test_sglang_argv_is_megarls_arguments_then_the_passthrough_block():
     argv = sglang_server_argv(
-        model_path="/ckpt/qwen", host="10.0.0.7", port=30001, tp_size=4, mem_fraction_static=0.85, api_key="k",
-        weight_version="0", enable_memory_saver=True, python="python",
+        model_path="/ckpt/qwen", host="10.0.0.7", port=30001, tp_size=4, mem_fraction_static=0.85,
+        config="/run/logs/rollout-0.secrets.yaml",
+        weight_version="0", enable_memory_saver=True, deterministic=True, python="python",
         extra={"attention_backend": "fa3", "disable-radix-cache": True, "enable_metrics": False,
                "cuda_graph_bs": [1, 2, 4], "chunked_prefill_size": 8192, "json_model_override_args": {"b": 1, "a": 2},
                "log_level": None},
     )
     assert argv == [
         "python", "-m", "sglang.launch_server", "--model-path", "/ckpt/qwen", "--tp-size", "4",
-        "--mem-fraction-static", "0.85", "--host", "10.0.0.7", "--port", "30001", "--api-key", "k",
-        "--weight-version", "0", "--skip-tokenizer-init", "--enable-memory-saver",
+        "--mem-fraction-static", "0.85", "--host", "10.0.0.7", "--port", "30001",
+        "--config", "/run/logs/rollout-0.secrets.yaml",
+        "--weight-version", "0", "--skip-tokenizer-init", "--enable-memory-saver", "--enable-deterministic-inference",
         "--attention-backend", "fa3", "--disable-radix-cache", "--cuda-graph-bs", "1", "2", "4",
         "--chunked-prefill-size", "8192", "--json-model-override-args", '{"a": 2, "b": 1}',
     ]
@@ -65,12 +67,17 @@ def test_sglang_argv_is_megarls_arguments_then_the_passthrough_block():
 def test_sglang_passthrough_may_not_set_megarls_arguments():
     with pytest.raises(InputError) as error:
         sglang_server_argv(model_path="m", host="127.0.0.1", port=1, tp_size=1, mem_fraction_static=0.5,
-                           api_key=None, extra={"tp_size": 2, "port": 5, "Bad Key": 1, "dtype": "bfloat16"})
-    assert error.value.problems == [
+                           config=None, extra={"tp_size": 2, "port": 5, "Bad Key": 1, "dtype": "bfloat16",
+                                               "admin_api_key": "x", "config": "mine.yaml"})
+    assert error.value.problems[:3] == [
         "rollout.sglang.tp_size: set by megarl; use rollout.tp",
         "rollout.sglang.port: set by megarl; use rollout.port",
         "rollout.sglang.Bad Key: not an SGLang argument name (lowercase words joined by _ or -)",
     ]
+    # An admin key would make every weight and memory call answer 401; secrets travel in megarl's own file.
+    assert error.value.problems[3].startswith("rollout.sglang.admin_api_key: set by megarl; use nothing (megarl's "
+                                              "weight and memory calls carry the run's API key")
+    assert error.value.problems[4].startswith("rollout.sglang.config: set by megarl")
 
 
 # ---- dispatch against a fake fleet ------------------------------------------------------------
@@ -169,7 +176,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(ray_session, models, tmp_path_factory):
     spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path_factory.mktemp("logs")),
-                      api_key=API_KEY)
+                      api_key=API_KEY, deterministic=True)
     with RolloutFleet(spec, num_servers=2, pad_token_id=0, seed=11, max_concurrency=1, use_ray=True) as started:
         yield started
 

@@ -158,3 +158,15 @@ def test_each_registry_loads_its_builtins_from_a_lower_layer(registry_name):
     registry = getattr(megarl.registry, registry_name)
     assert _layer_of(registry.builtins, _layers()) is not None
     assert registry.names(), f"{registry_name}: {registry.builtins} registered nothing"
+
+
+def test_the_sandbox_worker_stays_light():
+    """A tool sandbox worker imports only what its calls need (no torch, numpy, pydantic, ray or aiohttp): it
+    starts fast, and each call's address-space limit is spent on the tool, not on libraries."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megarl.agent.sandbox_worker, megarl.agent.tools; "
+            "print(sorted(m for m in ('torch', 'numpy', 'pydantic', 'ray', 'aiohttp') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

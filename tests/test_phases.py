@@ -21,14 +21,23 @@ def _prompts() -> Batch:
     )
 
 
-def test_generation_batch_holds_only_generation_keys_and_repeats_interleaved():
+def test_generation_batch_takes_the_prompt_tensors_copies_the_row_fields_and_repeats_interleaved():
     batch = phases.add_uids(_prompts())
     gen = phases.split_generation_batch(batch).repeat(2, interleave=True)
-    assert sorted(gen.keys()) == ["attention_mask", "input_ids", "position_ids"]
+    # The tensors move; the rows' fields are copied (multi-turn episodes read them).
+    assert sorted(gen.keys()) == ["attention_mask", "data_source", "input_ids", "position_ids", "uid"]
     assert sorted(batch.keys()) == ["data_source", "uid"]
+    assert list(gen["data_source"]) == ["a", "a", "b", "b"] and gen["uid"][1] == batch["uid"][0]
     assert phases.prompt_token_lists(gen) == [[5, 6], [5, 6], [7, 8, 9], [7, 8, 9]]
     repeated = batch.repeat(2, interleave=True)
     assert list(repeated["uid"][:2]) == [batch["uid"][0]] * 2 and repeated["uid"][0] != repeated["uid"][2]
+
+
+def test_a_response_mask_from_generation_is_kept():
+    batch = Batch.from_dict({"responses": torch.tensor([[4, 5, 6]]), "attention_mask": torch.tensor([[1, 1, 1, 1]])})
+    assert phases.add_response_mask(batch)["response_mask"].tolist() == [[1.0, 1.0, 1.0]]
+    batch["response_mask"] = torch.tensor([[1.0, 0.0, 1.0]])  # an episode: the middle token is a tool's
+    assert phases.add_response_mask(batch)["response_mask"].tolist() == [[1.0, 0.0, 1.0]]
 
 
 def test_assemble_rollout_continues_positions_and_masks_padding():

@@ -32,7 +32,7 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(model_dirs, cpu_engine):
-    return [cpu_engine(model_dirs["base"], seed=index) for index in range(2)]
+    return [cpu_engine(model_dirs["base"], seed=index, deterministic=True) for index in range(2)]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ and the servers are stopped by PID when the fleet shuts down.
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 import os
 import signal
 
@@ -54,7 +55,7 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(models, tmp_path_factory):
     spec = ServerSpec(backend="cpu", model_path=str(models["base"]), log_dir=str(tmp_path_factory.mktemp("logs")),
-                      api_key=API_KEY)
+                      api_key=API_KEY, deterministic=True)
     with RolloutFleet(spec, num_servers=2, pad_token_id=0, seed=2,
                       max_concurrency=2, routing="router", router_policy="round_robin", use_ray=False) as started:
         yield started
@@ -67,19 +68,21 @@ def generation_batch(n: int) -> Batch:
     return batch.repeat(n, interleave=True)
 
 
-def test_router_command_line():
-    argv = router_argv(["http://a:1", "http://b:2"], policy="cache_aware", host="127.0.0.1", port=9, api_key="k")
-    assert argv[1:] == ["-m", "sglang_router.launch_router", "--worker-urls", "http://a:1", "http://b:2",
+def test_router_command_line_holds_no_key_and_no_health_checks():
+    argv = router_argv(["http://a:1", "http://b:2"], policy="cache_aware", host="127.0.0.1", port=9)
+    assert argv[1:] == ["-m", "megarl.rollout.router_main", "--worker-urls", "http://a:1", "http://b:2",
                         "--policy", "cache_aware", "--host", "127.0.0.1", "--port", "9", "--log-level", "warn",
-                        "--api-key", "k"]
+                        "--disable-health-check"]
     with pytest.raises(ValueError, match="policy"):
-        router_argv([], policy="fastest", host="127.0.0.1", port=9, api_key=None)
+        router_argv([], policy="fastest", host="127.0.0.1", port=9)
 
 
 def test_fleet_generation_through_the_router_survives_a_dead_server(fleet):
     router = fleet.router
     assert sorted(router.worker_urls()) == sorted(fleet.urls)
+    # The key reached the router through its environment, not its command line.
     assert call(router.url, "/generate", {"input_ids": [1]}, key=None)[0] == 401
+    assert fleet.spec.api_key not in Path(f"/proc/{router.pid}/cmdline").read_text()
     gen_batch = generation_batch(N)
     out = fleet.generate(gen_batch, sampling(MAX_RESPONSE), seed=4)
     assert list(out["uid"]) == list(gen_batch["uid"])

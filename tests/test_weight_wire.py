@@ -11,11 +11,16 @@ checked with a faked device list, and for real in the `gpu` test at the end.
 from __future__ import annotations
 
 import base64
+import functools
+import io
+import operator
 import os
 import pickle
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +29,7 @@ from torch.multiprocessing import reductions
 
 from megarl.rollout.weight_wire import (
     METADATA_FIELDS,
+    SafeUnpickler,
     UnsafePayloadError,
     deserialize_named_tensors,
     deserialize_payload,
@@ -82,20 +88,90 @@ def test_a_payload_with_a_projects_own_metadata_class_is_refused_as_sglang_refus
     own = [FlattenedTensorMetadata(m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel)
            for m in flat["metadata"]]
     entry = serialize_payload({"flattened_tensor": flat["flattened_tensor"], "metadata": own})
-    with pytest.raises(UnsafePayloadError, match=rf"Blocked unsafe class loading \({__name__}\.FlattenedTensorMetadata\)"):
+    with pytest.raises(UnsafePayloadError, match=rf"Blocked unsafe global \({__name__}\.FlattenedTensorMetadata\)"):
         deserialize_payload(entry)
 
 
-class _Exploit:
+class Call:
+    """Pickles as `func(*args)`: loading it runs the call, unless the unpickler refuses `func`'s global."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
     def __reduce__(self):
-        return os.system, ("true",)
+        return self.func, self.args
 
 
-def test_deny_list_and_non_allowed_modules_are_refused_and_garbage_is_a_value_error():
+def entry_of(obj) -> str:
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def builtins_chain(path) -> bytes:
+    """getattr(__import__("os"), "system")("touch PATH"), in raw opcodes: the chain a prefix rule lets through."""
+    def glob(module, name):
+        return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+    def text(value):
+        return b"\x8c" + bytes([len(value)]) + value.encode()
+
+    return (b"\x80\x04" + glob("builtins", "getattr") + glob("builtins", "__import__") + text("os") + b"\x85R"
+            + text("system") + b"\x86R" + text(f"touch {path}") + b"\x85R.")
+
+
+def gadgets(path) -> dict[str, tuple[str, str]]:
+    """Payloads that create `path` if anything of them runs, each with the global it is refused at."""
+    return {
+        "builtins": (base64.b64encode(builtins_chain(path)).decode(), "builtins.getattr"),
+        "builtins.open": (entry_of([("w", Call(open, str(path), "w"))]), "io.open"),
+        "torch": (entry_of(Call(torch.save, {"pwned": 1}, str(path))), "torch.serialization.save"),
+        "functools": (entry_of(Call(functools.partial(open, str(path), "w"))), "functools.partial"),
+        "operator": (entry_of(Call(operator.methodcaller("touch"), Path(path))), "operator.methodcaller"),
+        "after an allowed global": (entry_of(SimpleNamespace(name="w", hook=Call(os.system, f"touch {path}"))),
+                                    "posix.system"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["builtins", "builtins.open", "torch", "functools", "operator",
+                                  "after an allowed global"])
+def test_gadget_chains_are_refused_at_their_first_unlisted_global_and_nothing_runs(kind, tmp_path):
+    entry, refused_at = gadgets(tmp_path / "pwned")[kind]
+    with pytest.raises(UnsafePayloadError, match=rf"^Blocked unsafe global \({re.escape(refused_at)}\)$"):
+        deserialize_payload(entry)
+    assert not (tmp_path / "pwned").exists()
+
+
+class Recorder(pickle.Unpickler):
+    def __init__(self, raw: bytes, seen: set):
+        super().__init__(io.BytesIO(raw))
+        self.seen = seen
+
+    def find_class(self, module, name):
+        self.seen.add((module, name))
+        return super().find_class(module, name)
+
+
+def test_every_payload_megarl_sends_loads_and_needs_only_exact_globals_sglang_has():
+    """The CPU forms (a list of tensors, a flattened bucket, model parameters) load through the allow-list;
+    the globals they name are exactly pairs, none a prefix or a module's code (a gadget)."""
+    params = list(torch.nn.Linear(3, 2).named_parameters())
+    seen: set = set()
+    for payload, load_format in [(NAMED, None), (NAMED, "flattened_bucket"), (params, None)]:
+        entry = serialize_named_tensors(payload, load_format=load_format)
+        back = deserialize_named_tensors(entry, load_format=load_format)
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(back, payload))
+        Recorder(base64.b64decode(entry), seen).load()
+    assert seen <= SafeUnpickler.ALLOWED_GLOBALS
+    assert ("torch.nn.parameter", "Parameter") not in seen  # parameters travel as the tensors they wrap
+    for gadget in [("builtins", "getattr"), ("torch", "load"), ("torch.storage", "_load_from_bytes"),
+                   ("functools", "partial"), ("operator", "attrgetter"), ("copyreg", "_reconstructor")]:
+        assert gadget not in SafeUnpickler.ALLOWED_GLOBALS
+
+
+def test_globals_outside_the_exact_set_are_refused_and_garbage_is_a_value_error():
     with pytest.raises(UnsafePayloadError, match=r"\(posix\.system\)|\(os\.system\)"):
-        deserialize_payload(base64.b64encode(pickle.dumps(_Exploit())).decode())
+        deserialize_payload(entry_of(Call(os.system, "true")))
     with pytest.raises(UnsafePayloadError, match=r"subprocess\.check_output"):
-        deserialize_payload(base64.b64encode(pickle.dumps(subprocess.check_output)).decode())
+        deserialize_payload(entry_of(subprocess.check_output))
     with pytest.raises(ValueError, match="not base64"):
         deserialize_payload("not base64 at all!")
 
@@ -112,13 +188,16 @@ def test_each_tp_rank_gets_its_own_pickle_of_the_same_payload():
 
 
 class _FakeCudaTensor:
-    """Pickles like a CUDA tensor from megarl's sender: `rebuild_cuda_tensor` with a GPU UUID as argument 6."""
+    """Pickles as a CUDA tensor from megarl's sender does (torch's `reduce_tensor`, every argument of the same
+    type): `rebuild_cuda_tensor` with the GPU's UUID as argument 6. Its globals must all be allowed."""
 
     def __init__(self, uuid: str):
         self.uuid = uuid
 
     def __reduce__(self):
-        return reductions.rebuild_cuda_tensor, (torch.Tensor, (2,), (1,), 0, None, torch.float32, self.uuid, b"h")
+        return reductions.rebuild_cuda_tensor, (torch.Tensor, torch.Size([2]), (1,), 0, torch.storage.TypedStorage,
+                                                torch.bfloat16, self.uuid, b"handle", 4, 0, False, b"refs", 0,
+                                                b"event", False)
 
 
 def test_a_cuda_handle_resolves_its_gpu_uuid_to_the_receivers_local_index(monkeypatch):
@@ -127,7 +206,8 @@ def test_a_cuda_handle_resolves_its_gpu_uuid_to_the_receivers_local_index(monkey
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: calls.append(args) or "mapped")
     visible = ["GPU-aaaa", "GPU-bbbb", "GPU-cccc"]  # what the server process sees, by local index
     assert deserialize_payload(entries[0], visible_devices=lambda: visible) == ["mapped"]
-    assert calls[0][6] == 2 and calls[0][:6] == (torch.Tensor, (2,), (1,), 0, None, torch.float32)
+    assert calls[0][6] == 2 and calls[0][:6] == (torch.Tensor, torch.Size([2]), (1,), 0, torch.storage.TypedStorage,
+                                                 torch.bfloat16)
     with pytest.raises(ValueError, match="CUDA device GPU-dddd is not visible here"):
         deserialize_payload(entries[1], visible_devices=lambda: visible)
     assert device_index_for_uuid(1, visible) == 1  # an index (a sender without the UUID patch) passes through

@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from _http import call as http_call
+from _http import call as http_call, weight_checksums
 import torch
 from _engine_spawn import run_spawned
 from _weightsync_ranks import API_KEY, MOE_CONFIG, moe_rank, moe_weights, reference_digests
@@ -52,7 +52,7 @@ def call(url: str, path: str, body=None, *, method: str | None = None) -> tuple[
 
 
 def digests_of(url: str) -> dict[str, str]:
-    return call(url, "/weights_checksum", method="GET")[1]["checksums"]
+    return weight_checksums(url, key=API_KEY)
 
 
 def join(url: str, group: str, port: int, rank: int) -> tuple[int, dict]:

@@ -5,7 +5,7 @@ The trainer side is plain processes holding Megatron shards of an HF state dict
 for TP2 x PP2 (bf16, two stages sending at once); one slow test drives
 `MegatronWorker.push_weights` on real Megatron ranks. "Bit-identical" is checked
 independently of the transport's own checksum mode: the server's
-`/weights_checksum` digests against digests of the trainer's HF tensors. Also:
+`/weights_checker` checksums against checksums of the trainer's HF tensors. Also:
 a corrupted tensor, a peer that never joins, a server restarted behind the same
 URL, and MoE experts (EP2) loading into the engine's fused expert tensors.
 """
@@ -43,8 +43,8 @@ from megarl.config.settings import WeightSyncSettings
 from megarl.engines.protocol import WeightShards
 from megarl.models import arch_from_hf, hf_to_megatron, random_hf_state_dict, shard_for_rank
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.weight_wire import tensor_digest
-from megarl.rollout.cpu_engine.weights import apply_named_tensors, weight_checksums
+from megarl.rollout.weight_wire import held_checksum, tensor_checksum
+from megarl.rollout.cpu_engine.weights import apply_named_tensors, checked_tensors
 from megarl.ports import free_port
 from megarl.rollout.server import start_cpu_engine
 from megarl.rollout.weight_wire import deserialize_named_tensors
@@ -147,7 +147,7 @@ def test_checksum_mismatch_raises_naming_the_tensor_and_keeps_the_old_version(cl
     # Not published, and the update session was closed (a new one opens fine).
     assert client.model_info()[0]["weight_version"] == before
     one_rank_syncer(client, TensorTransport(client)).push(local, weight_version="repaired")
-    assert server_digests(client)[CorruptingTransport.victim] == tensor_digest(
+    assert server_digests(client)[CorruptingTransport.victim] == held_checksum(
         trainer_weights(21)[CorruptingTransport.victim])
 
 
@@ -307,7 +307,7 @@ def test_moe_ep2_buckets_load_into_the_cpu_engine_model():
     for bucket in plan.buckets:  # what EP rank 0 and EP rank 1 send, bucket by bucket
         named = assemble_bucket(bucket, lambda param, tp_rank: shards[param.ep_rank][param.local_name])
         apply_named_tensors(model, named)
-    held = weight_checksums(model)
+    held = {name: tensor_checksum(tensor) for name, tensor in checked_tensors(model).items()}
     assert {name: held[name] for name in hf} == reference_digests(hf)
 
 
@@ -332,7 +332,7 @@ def test_megatron_moe_ep2_push_loads_every_expert_into_the_server(tmp_path):
     finally:
         handle.stop()
     assert results[1]["metrics"] is None
-    expected = {name: tensor_digest(tensor) for name, tensor in model.state_dict().items()}
+    expected = {name: held_checksum(tensor) for name, tensor in model.state_dict().items()}
     held = results[0]["digests"]
     assert any(".experts." in name for name in expected)
     assert {name: held[name] for name in expected} == expected

@@ -77,6 +77,7 @@ def compute_data_metrics(
     max_response_length: int,
     max_prompt_length: int,
     values: torch.Tensor | None = None,
+    response_span: torch.Tensor | None = None,
     kept: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The `critic/*`, `response_length/*` and `prompt_length/*` metrics of one step.
@@ -86,7 +87,8 @@ def compute_data_metrics(
     returns and values are over response tokens. `critic/values/*` and
     `critic/vf_explained_var` only when `values` is given. Each clip_ratio is
     the share of rows reaching the configured limit (`max_response_length`,
-    `max_prompt_length`), not the batch's widest row. `kept` (bool [B]): the
+    `max_prompt_length`), not the batch's widest row. Response lengths count the tokens of `response_span`
+    [B, R] (multi-turn: every response token, the tools' too; default `response_mask`). `kept` (bool [B]): the
     rows to count; a dropped sample stays in the batch as a placeholder without
     response tokens, and is no sample of the step's statistics.
     """
@@ -95,6 +97,7 @@ def compute_data_metrics(
             t[kept] for t in (token_level_scores, token_level_rewards, advantages, returns))
         response_mask, prompt_mask = response_mask[kept], prompt_mask[kept]
         values = None if values is None else values[kept]
+        response_span = None if response_span is None else response_span[kept]
     valid = response_mask.bool()
     metrics: dict[str, float] = {}
     metrics |= _mean_max_min("critic/score", token_level_scores.sum(-1))
@@ -106,9 +109,27 @@ def compute_data_metrics(
         valid_values = values[valid]
         metrics |= _mean_max_min("critic/values", valid_values)
         metrics["critic/vf_explained_var"] = _explained_variance(valid_returns, valid_values)
-    metrics |= _length_metrics("response_length", response_mask, max_response_length)
+    span = response_mask if response_span is None else response_span
+    metrics |= _length_metrics("response_length", span, max_response_length)
     metrics |= _length_metrics("prompt_length", prompt_mask, max_prompt_length)
     return metrics
+
+
+@torch.no_grad()
+def multi_turn_metrics(*, num_turns: torch.Tensor, truncated: torch.Tensor, response_mask: torch.Tensor,
+                       response_span: torch.Tensor) -> dict[str, float]:
+    """`multi_turn/*` of a batch of episodes: model turns per episode (`num_turns` [B]), the share of truncated
+    episodes (`truncated` [B] bool), and `tool_token_share`, the share of the response tokens (`response_span`
+    [B, R]: 1 on every response token) that tools and the environment wrote (`response_mask` [B, R]: 1 on the
+    model's)."""
+    span = response_span.float().sum()
+    environment = span - (response_mask.float() * response_span.float()).sum()
+    return {
+        "multi_turn/turns/mean": float(num_turns.float().mean()),
+        "multi_turn/turns/max": float(num_turns.max()),
+        "multi_turn/truncated": float(truncated.float().mean()),
+        "multi_turn/tool_token_share": float(environment / span) if span > 0 else 0.0,
+    }
 
 
 @torch.no_grad()

@@ -37,6 +37,8 @@ def start_fleet(settings: FleetSettings, *, pool: ResourcePool, weights: Path | 
         mem_fraction=settings.mem_fraction,
         sglang_args=dict(settings.sglang_args),
         enable_memory_saver=settings.enable_memory_saver,
+        deterministic=settings.deterministic,
+        max_sequences=settings.max_sequences,
     )
     return RolloutFleet(
         spec,

@@ -7,6 +7,7 @@ a user would change and the values that clash.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -15,8 +16,9 @@ from typing import Any
 
 from megarl.config.layout import TRAINING_ROLES, active_roles, role_parallel, role_pool, rollout_layout, training_layout
 from megarl.config.schema import Recipe, read_hf_config
+from megarl.config.sglang_args import sglang_block_problems
 from megarl.errors import InputError
-from megarl.registry import ADVANTAGE_ESTIMATORS, MODEL_SPECS, REWARD_COMBINE_MODES, WEIGHT_SYNC_TRANSPORTS
+from megarl.registry import ADVANTAGE_ESTIMATORS, ENVIRONMENTS, MODEL_SPECS, REWARD_COMBINE_MODES, WEIGHT_SYNC_TRANSPORTS
 
 MOE_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -254,6 +256,7 @@ def _check_synthetic_sizes(recipe: Recipe) -> list[Problem]:
 
 def _check_rollout(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem]:
     rollout, placement, problems = recipe.rollout, recipe.placement, []
+    problems += [Problem("rollout.sglang", line) for line in sglang_block_problems(rollout.sglang, where="rollout.sglang")]
     if placement.device == "cpu" and rollout.backend == "sglang":
         problems.append(_problem("rollout.backend", "SGLang needs placement.device: cuda; use backend 'cpu'", "sglang"))
     if ADVANTAGE_ESTIMATORS.get(recipe.algorithm.adv_estimator).needs_groups and rollout.n < 2:
@@ -373,6 +376,9 @@ def _check_reward(recipe: Recipe) -> list[Problem]:
                                  "or reward.remote", reward.combine))
     if reward.combine == "rule_gated" and reward.gate.fail_score is None:
         problems.append(_problem("reward.gate.fail_score", "required with reward.combine: rule_gated", None))
+    if reward.judge is not None:
+        problems += [Problem("reward.judge.sglang", line)
+                     for line in sglang_block_problems(reward.judge.sglang, where="reward.judge.sglang")]
     if reward.judge is not None and role_pool(recipe.placement, "judge") is not None:
         fleet = rollout_layout(recipe, "judge")
         if fleet.world_size > fleet.pool.size:
@@ -408,6 +414,34 @@ def _check_reward_model_training(recipe: Recipe) -> list[Problem]:
     if layout.dp is not None and train.mini_batch_size % (train.micro_batch_size * layout.dp):
         message = f"must be divisible by micro_batch_size * dp = {train.micro_batch_size}*{layout.dp}"
         problems.append(_problem("reward_model.train.mini_batch_size", message, train.mini_batch_size))
+    return problems
+
+
+def _check_multi_turn(recipe: Recipe) -> list[Problem]:
+    """Episodes: the environment takes its options, has tools when it calls them, turns end, and the
+    environment alone gives the reward."""
+    multi_turn, key = recipe.rollout.multi_turn, "rollout.multi_turn"
+    if multi_turn is None:
+        return []
+    problems = []
+    entry = ENVIRONMENTS.resolve(multi_turn.environment)
+    try:
+        inspect.signature(entry.target).bind(tools=None, **multi_turn.environment_options)
+    except TypeError as error:
+        problems.append(_problem(f"{key}.environment_options", f"{multi_turn.environment} does not take them: "
+                                 f"{error}", multi_turn.environment_options))
+    if entry.meta.get("uses_tools") and not multi_turn.tools:
+        problems.append(_problem(f"{key}.tools", f"environment {multi_turn.environment!r} calls tools; name at "
+                                 "least one (e.g. [calculator])", multi_turn.tools))
+    if recipe.rollout.ignore_eos:
+        problems.append(_problem("rollout.ignore_eos", "a turn that never ends leaves no room for the next; "
+                                 "turn it off with rollout.multi_turn", True))
+    model_side = [name for name, section in (("reward_model", recipe.reward_model), ("reward.judge",
+                  recipe.reward.judge), ("reward.remote", recipe.reward.remote)) if section is not None]
+    if model_side or recipe.reward.combine != "rule":
+        problems.append(_problem(f"{key}.environment", "with multi-turn episodes the environment gives the reward; "
+                                 f"remove {', '.join(model_side) or 'the model side'} and keep reward.combine: rule",
+                                 multi_turn.environment))
     return problems
 
 
@@ -473,6 +507,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
     problems += _check_algorithm_and_data(recipe, shape)
     problems += _check_synthetic_sizes(recipe)
     problems += _check_reward(recipe)
+    problems += _check_multi_turn(recipe)
     problems += _check_lora(recipe, shape)
     if recipe.reward_model is not None and role_pool(recipe.placement, "reward_model") is not None:
         problems += _check_reward_model_training(recipe)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, TypeAdapter
+
 from megarl.config.layout import (
     FLEET_ROLES,
     TRAINING_ROLES,
@@ -18,6 +20,7 @@ from megarl.config.layout import (
     resolve_layout,
 )
 from megarl.config.loader import BASE_KEY
+from megarl.config.overrides import unwrap
 from megarl.config.schema import Recipe
 from megarl.config.yamlio import dump_yaml
 
@@ -65,6 +68,22 @@ def dump_recipe(recipe: Recipe) -> str:
     body = dump_yaml(recipe.model_dump(mode="json"))
     summary = "\n".join(f"#   {line}" for line in layout_summary(recipe))
     return f"{body}\n# resolved layout:\n{summary}\n"
+
+
+def default_of(key: str) -> tuple[bool, Any]:
+    """(True, the schema's default of the recipe key `key` as `dump_recipe` writes it), or (False, None) when
+    it has none: a required key, or one below a free-form mapping or a choice of sections."""
+    section: Any = Recipe
+    *parents, leaf = key.split(".")
+    for name in parents:
+        field = section.model_fields.get(name)
+        section = unwrap(field.annotation) if field is not None else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return False, None
+    field = section.model_fields.get(leaf)
+    if field is None or field.is_required():
+        return False, None
+    return True, TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")
 
 
 def recipe_json_schema() -> dict[str, Any]:

@@ -31,7 +31,7 @@ class Override:
         return ".".join(self.path)
 
 
-def _unwrap(annotation: Any) -> Any:
+def unwrap(annotation: Any) -> Any:
     """Strip Optional[...] and Annotated[...] down to the type that decides what a sub-key means."""
     while True:
         origin = typing.get_origin(annotation)
@@ -50,7 +50,7 @@ def key_path_problem(model: type[BaseModel], path: tuple[str, ...]) -> str | Non
     """Why `path` names no recipe key, or None when it does."""
     annotation: Any = model
     for depth, segment in enumerate(path):
-        annotation = _unwrap(annotation)
+        annotation = unwrap(annotation)
         here = ".".join(path[:depth]) or "the recipe"
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             fields = annotation.model_fields

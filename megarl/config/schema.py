@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
+from megarl.config.multi_turn import MultiTurnConfig
 from megarl.config.reward import RewardConfig, RewardModelConfig
 from megarl.config.training import (
     MAX_LR,
@@ -106,9 +107,10 @@ def read_hf_config(checkpoint_dir: str, *, key: str) -> dict[str, Any]:
 
 
 class SyntheticData(Section):
-    task: Literal["addition", "random_digits"] = Field(
-        description="generated task family: addition problems, or random digit strings of a fixed token length "
-        "(`megarl bench --synthetic`)"
+    task: Literal["addition", "random_digits", "guessing"] = Field(
+        description="generated task family: addition problems, random digit strings of a fixed token length "
+        "(`megarl bench --synthetic`), or number-guessing games for rollout.multi_turn.environment: guessing "
+        "(max_operand is the largest secret)"
     )
     num_train: PositiveInt = Field(le=MAX_SYNTHETIC_ROWS, description="training prompts to generate")
     num_val: NonNegativeInt = Field(le=MAX_SYNTHETIC_ROWS, description="validation prompts to generate")
@@ -125,7 +127,10 @@ class DataConfig(Section):
     synthetic: SyntheticData | None = Field(None, description="generate data into the run dir instead of reading files")
     prompt_key: str = Field("prompt", description="column holding the chat-format prompt")
     max_prompt_length: PositiveInt = Field(description="most tokens in one prompt (after the chat template)")
-    max_response_length: PositiveInt = Field(description="generated tokens per response at most")
+    max_response_length: PositiveInt = Field(
+        description="tokens per response at most; with rollout.multi_turn, the budget of all turns together (the "
+        "model's tokens and the tools' and environment's replies)"
+    )
     train_batch_size: PositiveInt = Field(description="prompts per training step (before rollout.n repetition)")
     val_batch_size: PositiveInt | None = Field(None, description="prompts per validation batch; null = all at once")
     shuffle: bool = Field(True, description="reshuffle the training set every epoch")
@@ -162,12 +167,23 @@ class RolloutConfig(Section):
         "shared filesystem, every server at once",
     )
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang server arguments, passed through")
+    deterministic: bool = Field(
+        False,
+        description="start the servers with --enable-deterministic-inference, so each sample's sampling_seed is "
+        "honoured: a sample retried on another server, or after a resume, is the same sample. Without it SGLang "
+        "ignores the seed. Cost on SGLang: batch-invariant kernels, slower decoding, and only the FlashInfer, FA3 "
+        "and Triton attention backends; measure it with megarl bench",
+    )
     engine_threads: PositiveInt = Field(1, le=MAX_THREADS, description="torch threads of one CPU engine")
     routing: Literal["client", "router"] = Field(
         "client", description="spread generation requests in megarl's client, or through sglang-router"
     )
     router_policy: Literal["random", "round_robin", "cache_aware", "power_of_two"] = Field(
         "cache_aware", description="sglang-router load-balancing policy (routing: router)"
+    )
+    multi_turn: MultiTurnConfig | None = Field(
+        None, description="episodes of several turns with tools and an environment, rewarded by the environment; "
+        "null = one response per prompt"
     )
 
     @field_validator("top_k")

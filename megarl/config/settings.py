@@ -172,8 +172,10 @@ class FleetSettings:
     bound to `bind` (from `port` up, or free ports), with `threads` torch threads (CPU engine) or
     `mem_fraction` of the device and `sglang_args` (SGLang); `enable_memory_saver` lets it release memory
     between phases. Requests: `max_concurrency` per server, spread by `routing` ("client" or "router" with
-    `router_policy`), seeded from `seed`; a server has `startup_timeout_s` to come up. `model_path` and
-    `tokenizer_path`: fixed weights (the judge), or None for the run's initial weights (the policy)."""
+    `router_policy`), seeded from `seed` (honoured with `deterministic`: --enable-deterministic-inference); a
+    CPU engine takes at most `max_sequences` sequences per request (None: its default); a server has
+    `startup_timeout_s` to come up. `model_path` and `tokenizer_path`: fixed weights (the judge), or None for
+    the run's initial weights (the policy)."""
 
     backend: str
     num_servers: int
@@ -191,6 +193,8 @@ class FleetSettings:
     startup_timeout_s: float
     model_path: str | None
     tokenizer_path: str | None
+    deterministic: bool = False
+    max_sequences: int | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,71 @@ class EngineSettings:
     params_dtype: str
     transformer_impl: str
     optimizer: OptimizerSettings | None
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """The episodes of `rollout.multi_turn`: `budget` response tokens over all turns (model and environment),
+    `max_tokens_per_turn` of one turn (None: the budget left), the reward of a truncated episode
+    (`on_truncation`: fixed = `truncation_reward`, or environment)."""
+
+    max_turns: int
+    budget: int
+    on_truncation: str
+    truncation_reward: float
+    max_tokens_per_turn: int | None
+
+
+@dataclass(frozen=True)
+class SandboxSettings:
+    """The tool sandbox: `workers` processes; per call `wall_s` and `cpu_s` seconds, `memory_mb` of address space,
+    `max_output_bytes` of output, `max_processes` processes, files of `max_file_mb`."""
+
+    workers: int
+    wall_s: float
+    cpu_s: int
+    memory_mb: int
+    max_output_bytes: int
+    max_processes: int
+    max_file_mb: int
+
+
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """`rollout.multi_turn` resolved: the environment (registered name or Python path) and its keyword
+    options, the tools, the tool-call format, the longest tool or environment message in tokens, the
+    sandbox, and how episodes run."""
+
+    environment: str
+    environment_options: dict[str, Any]
+    tools: tuple[str, ...]
+    tool_call_format: str
+    max_tool_response_tokens: int
+    sandbox: SandboxSettings
+    episodes: EpisodeSettings
+
+
+def multi_turn_settings(recipe: Recipe) -> MultiTurnSettings | None:
+    """The run's multi-turn settings, or None when every rollout is one response. The budget of all turns of an
+    episode is `data.max_response_length`."""
+    multi_turn = recipe.rollout.multi_turn
+    if multi_turn is None:
+        return None
+    sandbox = multi_turn.sandbox
+    return MultiTurnSettings(
+        environment=multi_turn.environment,
+        environment_options=dict(multi_turn.environment_options),
+        tools=tuple(multi_turn.tools),
+        tool_call_format=multi_turn.tool_call_format,
+        max_tool_response_tokens=multi_turn.max_tool_response_tokens,
+        sandbox=SandboxSettings(workers=sandbox.workers, wall_s=sandbox.wall_s, cpu_s=sandbox.cpu_s,
+                                memory_mb=sandbox.memory_mb, max_output_bytes=sandbox.max_output_bytes,
+                                max_processes=sandbox.max_processes, max_file_mb=sandbox.max_file_mb),
+        episodes=EpisodeSettings(max_turns=multi_turn.max_turns, budget=recipe.data.max_response_length,
+                                 on_truncation=multi_turn.on_truncation,
+                                 truncation_reward=multi_turn.truncation_reward,
+                                 max_tokens_per_turn=multi_turn.max_tokens_per_turn),
+    )
 
 
 def _updates_per_step(recipe: Recipe, section) -> int:
@@ -390,6 +459,8 @@ def rollout_fleet_settings(recipe: Recipe) -> FleetSettings:
         sglang_args=dict(rollout.sglang), enable_memory_saver=sleeps_between_phases(recipe),
         max_concurrency=rollout.max_concurrency, routing=rollout.routing, router_policy=rollout.router_policy,
         seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s, model_path=None, tokenizer_path=None,
+        # One request carries one prompt's group of samples: a larger one is no request of this run's.
+        deterministic=rollout.deterministic, max_sequences=rollout.n,
     )
 
 
@@ -403,6 +474,7 @@ def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
         enable_memory_saver=False, max_concurrency=judge.max_concurrency, routing="client",
         router_policy=rollout.router_policy, seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s,
         model_path=judge.model_path, tokenizer_path=judge.tokenizer or judge.model_path,
+        deterministic=rollout.deterministic,
     )
 
 

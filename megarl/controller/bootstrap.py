@@ -15,10 +15,13 @@ from typing import Any, Callable, Iterator
 import torch
 
 from megarl import atomic
+from megarl.agent.tools import schemas
 from megarl.algorithms.kl import AdaptiveKLController, FixedKLController
 from megarl.config import Recipe
 from megarl.config.schema import read_hf_config
+from megarl.config.settings import multi_turn_settings
 from megarl.data.dataset import PromptLoader, RLDataset
+from megarl.data.guessing import guessing_splits
 from megarl.data.random_digits import random_digits_splits
 from megarl.data.rows import write_rows
 from megarl.data.synthetic import arithmetic_splits
@@ -37,7 +40,8 @@ class RunData:
     val_dataset: RLDataset | None
     val_batch_size: int
     reward_manager: RewardManager  # the rule scorers by data_source
-    reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]  # the rule reward of a whole batch
+    # The outcome reward of a whole batch: the rule scorers', or the environment's with rollout.multi_turn.
+    reward_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
     kl_ctrl: Any
 
     def val_batches(self) -> Iterator[Batch]:
@@ -49,6 +53,8 @@ class RunData:
 
 def _generated_splits(recipe: Recipe, tokenizer) -> dict[str, list[dict]]:
     data, synth = recipe.data, recipe.data.synthetic
+    if synth.task == "guessing":
+        return guessing_splits(synth.num_train, synth.num_val, synth.seed, high=synth.max_operand)
     if synth.task == "random_digits":
         return random_digits_splits(num_train=synth.num_train, num_val=synth.num_val, seed=synth.seed,
                                     prompt_length=synth.prompt_length or data.max_prompt_length, tokenizer=tokenizer)
@@ -59,8 +65,10 @@ def build_datasets(recipe: Recipe, tokenizer) -> tuple[RLDataset, RLDataset | No
     """The training and validation prompts exactly as a run sees them (files read and checked row by row, or
     the synthetic task generated; prompts over data.max_prompt_length dropped), and the generated splits to write.
     `megarl validate` builds them too, so what it accepts a run accepts."""
-    data = recipe.data
-    common = dict(max_prompt_length=data.max_prompt_length, prompt_key=data.prompt_key)
+    data, multi_turn = recipe.data, multi_turn_settings(recipe)
+    # A multi-turn run's prompts show its tools where the chat template shows tools (Qwen: the system prompt).
+    tools = schemas(list(multi_turn.tools)) if multi_turn is not None else None
+    common = dict(max_prompt_length=data.max_prompt_length, prompt_key=data.prompt_key, tools=tools)
     if data.synthetic is not None:
         generated = _generated_splits(recipe, tokenizer)
         train, val = (RLDataset(generated[split], tokenizer, source="data.synthetic", **common)
@@ -126,14 +134,17 @@ def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
     if generated:  # kept with the run: the data set it trained on
         atomic.write_files({run_dir / "data" / f"{split}.parquet": functools.partial(write_rows, rows)
                             for split, rows in generated.items()})
-    reward = recipe.reward
+    reward, multi_turn = recipe.reward, multi_turn_settings(recipe)
     scorers = build_scorers(reward.scorers, gsm8k_method=reward.gsm8k_method, format_score=reward.format_score,
                             score=reward.score)
-    sources = set(train_dataset.data_sources) | (set(val_dataset.data_sources) if val_dataset else set())
-    check_data_sources(sources, scorers)
+    if multi_turn is None:  # episodes are rewarded by their environment
+        check_data_sources(set(train_dataset.data_sources) | set(val_dataset.data_sources if val_dataset else ()),
+                           scorers)
     manager = RewardManager(tokenizer, scorers, num_workers=reward.num_workers)
 
     def reward_fn(batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        if multi_turn is not None:
+            return batch["env_scores"], {}
         output = manager(batch)
         return output.token_level_scores, reward_metrics(output)
 

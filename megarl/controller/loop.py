@@ -93,7 +93,7 @@ class StepLoop:
 
     def _validate(self, step: int) -> dict[str, float]:
         try:
-            metrics, rows = validate(self.data.val_batches(), generate=self.roles.rollout.generate,
+            metrics, rows = validate(self.data.val_batches(), generate=self.roles.generate,
                                      reward_fn=self.data.reward_fn, sampling=self.val_sampling,
                                      tokenizer=self.data.tokenizer, sample_rows=self.recipe.trainer.samples.val_rows)
         except GenerationInterrupted:

@@ -31,14 +31,20 @@ def add_uids(batch: Batch) -> Batch:
 
 
 def split_generation_batch(batch: Batch) -> Batch:
-    """Pop only what generation needs off `batch`; the rest stays for the union after generation."""
-    return batch.pop(list(GENERATION_KEYS))
+    """Pop what generation needs off `batch` (the prompts' tensors) and copy the rows' non-tensor fields to it
+    (multi-turn episodes read them); the rest stays for the union after generation."""
+    gen_batch = batch.pop(list(GENERATION_KEYS))
+    for key, column in batch.non_tensors.items():
+        gen_batch[key] = column
+    return gen_batch
 
 
 def add_response_mask(batch: Batch) -> Batch:
-    """`response_mask` = the response part of the attention mask."""
-    width = batch["responses"].shape[1]
-    batch["response_mask"] = batch["attention_mask"][:, -width:].float()
+    """`response_mask` = the response part of the attention mask, unless generation gave one (multi-turn: the
+    model's tokens only, not the tools' and the environment's)."""
+    if "response_mask" not in batch:
+        width = batch["responses"].shape[1]
+        batch["response_mask"] = batch["attention_mask"][:, -width:].float()
     return batch
 
 

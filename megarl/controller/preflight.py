@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from megarl.config import Recipe
+from megarl.config.settings import multi_turn_settings
 from megarl.controller.bootstrap import build_datasets, dataset_size_problems, vocabulary_problems
 from megarl.data.dataset import read_prompt_rows
 from megarl.data.tokenizer import load_tokenizer
@@ -132,6 +133,8 @@ def _check_data(recipe: Recipe, tokenizer) -> None:
             sources |= {row["data_source"] for row in rows}
     if problems:
         raise InputError(problems)
+    if multi_turn_settings(recipe) is not None:
+        return  # the environment rewards the episodes: no data source needs a scorer
     scorers = build_scorers(reward.scorers, gsm8k_method=reward.gsm8k_method, format_score=reward.format_score,
                             score=reward.score)
     check_data_sources(sorted(sources), scorers)

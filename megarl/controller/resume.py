@@ -5,10 +5,11 @@ newest checkpoint that carries its marker and whose files match their digests (a
 corrupt one is moved aside to `checkpoints/corrupt-step_<N>` and the next older one is
 tried). The recipe may change how the run is executed and logged, not what it computes:
 a key under `RESUME_BREAKING` that differs from the checkpoint's `recipe.yaml` (unless it
-is under `RESUME_ALLOWED`) is refused with one line per key. With `resume: never`
-(`megarl train --no-resume`), or when nothing can be resumed, an existing run directory
-has its contents moved to `<name>.replaced-<time>` (never deleted) and the run starts
-afresh. The launcher's entries (`LAUNCHER_ENTRIES`: `megarl submit`'s job files and the
+is under `RESUME_ALLOWED`) is refused with one line per key; a key the checkpoint's recipe
+lacks (written before the key existed) is compatible at its schema default. With
+`resume: never` (`megarl train --no-resume`), or when nothing can be resumed, an existing
+run directory has its contents moved to `<name>.replaced-<time>` (never deleted) and the
+run starts afresh. The launcher's entries (`LAUNCHER_ENTRIES`: `megarl submit`'s job files and the
 logs its running job is writing) stay where they are: the job that starts over is the one
 writing them.
 """
@@ -23,6 +24,7 @@ from typing import Any
 import yaml
 
 from megarl.config import Recipe, dump_recipe
+from megarl.config.dump import default_of
 from megarl.controller.checkpointing import (
     StepCheckpoint,
     checkpoint_root,
@@ -58,6 +60,15 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == prefix or key.startswith(prefix + ".") for prefix in prefixes)
 
 
+def _new_key_at_default(key: str, saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """A key the checkpoint's recipe lacks (written before the key existed) set to its schema default now: the
+    run computes what it computed then."""
+    if key in saved or key not in current:
+        return False
+    known, default = default_of(key)
+    return known and current[key] == default
+
+
 def incompatible_keys(saved_recipe: str, recipe: Recipe) -> list[tuple[str, Any, Any]]:
     """(key, value in the checkpoint's recipe, value now) for every resume-breaking difference."""
     saved, current = _leaves(yaml.safe_load(saved_recipe)), _leaves(yaml.safe_load(dump_recipe(recipe)))
@@ -65,7 +76,7 @@ def incompatible_keys(saved_recipe: str, recipe: Recipe) -> list[tuple[str, Any,
         (key, saved.get(key, _UNSET), current.get(key, _UNSET))
         for key in sorted(saved.keys() | current.keys())
         if _under(key, RESUME_BREAKING) and not _under(key, RESUME_ALLOWED)
-        and saved.get(key, _UNSET) != current.get(key, _UNSET)
+        and saved.get(key, _UNSET) != current.get(key, _UNSET) and not _new_key_at_default(key, saved, current)
     ]
 
 

@@ -16,6 +16,7 @@ from megarl.cluster.engine_worker import MegatronWorker
 from megarl.cluster.memory import MemoryCycle, peak_memory_metrics
 from megarl.cluster.worker_group import WorkerGroup, mean_metrics
 from megarl.config.settings import (
+    SamplingSettings,
     Batching,
     PolicyUpdateSettings,
     PreferenceUpdateSettings,
@@ -131,6 +132,12 @@ class Roles:
     reference: PolicyRole | None = None
     critic: CriticRole | None = None
     kl_ctrl: Any = None
+    episodes: Any = None  # megarl.agent.rollout.MultiTurnRollout on the fleet, with rollout.multi_turn
+
+    def generate(self, gen_batch: Batch, sampling: SamplingSettings, *, seed: int, on_rows=None) -> Batch:
+        """The step's (and validation's) generation with `sampling` : one response per row from the fleet, or one episode per row with rollout.multi_turn."""
+        source = self.episodes if self.episodes is not None else self.rollout
+        return source.generate(gen_batch, sampling, seed=seed, on_rows=on_rows)
 
     def apply_kl_in_reward(self, batch: Batch, *, kind: str) -> dict[str, float]:
         metrics = apply_kl(batch, kl_coef=self.kl_ctrl.value, kind=kind)

@@ -31,6 +31,7 @@ from megarl.config.settings import (
     SamplingSettings,
     engine_settings,
     logprob_batching,
+    multi_turn_settings,
     policy_update_settings,
     rollout_fleet_settings,
     rollout_sampling,
@@ -44,6 +45,7 @@ from megarl.controller import run_state
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import StepCheckpoint, load_step
 from megarl.controller.loop import StepLoop
+from megarl.controller.multi_turn import EpisodeRewards, start_agent
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.resume import resume_or_start
@@ -169,8 +171,16 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
     fleet = _start_fleet(recipe, engines.actor, pool=pools["rollout"], weights=weights, data=data, api_key=api_key,
                          run_dir=run_dir, log_dir=log_dir, cleanup=cleanup)
     roles.rollout = memory.fleet = fleet
-    roles.reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer, manager=data.reward_manager,
-                                     api_key=api_key, run_dir=run_dir, cleanup=cleanup)
+    multi_turn = multi_turn_settings(recipe)
+    if multi_turn is not None:
+        # Registered after fleet.shutdown: the sandbox and the environment stop first, on the fleet's loop.
+        roles.episodes = start_agent(multi_turn, fleet=fleet, tokenizer=data.tokenizer, run_dir=run_dir,
+                                     cleanup=cleanup)
+        roles.reward = EpisodeRewards()
+    else:
+        roles.reward = start_reward_loop(recipe, pools=pools, tokenizer=data.tokenizer,
+                                         manager=data.reward_manager, api_key=api_key, run_dir=run_dir,
+                                         cleanup=cleanup)
     memory.sync_from_sleep(lambda: roles.sync_weights(version=version))  # the fleet generates first
     return roles
 

@@ -2,7 +2,9 @@
 
 One JSON object per row: the step, data_source, prompt and response text (special
 tokens kept, padding dropped), the outcome score and the ground truth, so a person can
-read what the policy answers at each validation (and, when enabled, in training).
+read what the policy answers at each validation (and, when enabled, in training). A
+multi-turn row also lists its turns: who spoke (assistant, tool, user), the text and its
+token count.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def decode_rows(batch: Batch, scores: torch.Tensor, tokenizer, *, limit: int) ->
             "response": tokenizer.decode(response.tolist()),
             "score": float(scores[row]),
             "ground_truth": str(reward_model.get("ground_truth")) if isinstance(reward_model, dict) else None,
+            # Episodes: each turn's speaker, text and token count.
+            **({"turns": list(batch["turns"][row])} if "turns" in batch else {}),
         })
     return rows
 

@@ -1,17 +1,21 @@
 """The optional supervised warm-up before RL: next-token loss on the task's reference solutions.
 
 The CPU quickstart starts from random weights; a short warm-up teaches the
-answer format so RL starts from a measurably imperfect but non-zero policy.
+answer format so RL starts from a measurably imperfect but non-zero policy. A multi-turn
+run warms up on tool-use traces instead: its environment's demonstrations, played with its
+tools, trained on the model's turns only.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from pathlib import Path
 from statistics import mean
 
 import torch
 
-from megarl.config.settings import Batching
+from megarl.config.settings import Batching, multi_turn_settings
+from megarl.controller.multi_turn import Demonstrations
 from megarl.controller.phases import assemble_rollout, split_generation_batch
 from megarl.controller.roles import PolicyRole
 from megarl.data.padding import right_pad
@@ -37,25 +41,36 @@ def sft_batch(prompts: Batch, tokenizer, *, max_response_length: int) -> Batch:
 
 def run_sft_warmup(actor: PolicyRole, data, recipe, tracker, *, stop_requested=lambda: False) -> int:
     """Warm up until `steps`, until the recent mean loss is below `stop_loss` or until `stop_requested()`;
-    returns the steps run."""
+    returns the steps run. With rollout.multi_turn the traces are the environment's demonstrations, played
+    with the run's tools (`multi_turn.Demonstrations`)."""
     from megarl.data.dataset import PromptLoader
 
     warmup = recipe.sft_warmup
     batching = Batching(recipe.actor.ppo_micro_batch_size, recipe.actor.max_tokens_per_microbatch)
     loader = PromptLoader(data.train_dataset, warmup.batch_size, shuffle=True, seed=recipe.seed + 1)
+    demonstrations, multi_turn = None, multi_turn_settings(recipe)
+    if multi_turn is not None:
+        run_dir = Path(recipe.trainer.output_dir).expanduser() / recipe.name
+        demonstrations = Demonstrations(multi_turn, tokenizer=data.tokenizer, run_dir=run_dir)
     recent: deque[float] = deque(maxlen=10)
     step = 0
-    while step < warmup.steps and not stop_requested():
-        batch = sft_batch(Batch.from_dict(next(loader)), data.tokenizer,
-                          max_response_length=recipe.data.max_response_length)
-        metrics = actor.sft(batch, batching=batching, lr=warmup.lr)
-        recent.append(metrics["sft/loss"])
-        step += 1
-        reached = warmup.stop_loss is not None and len(recent) == recent.maxlen and mean(recent) < warmup.stop_loss
-        if step % 50 == 0 or reached or step == warmup.steps:
-            tracker.message(f"sft warm-up step {step}: loss {mean(recent):.4f}")
-        if reached:
-            break
+    try:
+        while step < warmup.steps and not stop_requested():
+            prompts = Batch.from_dict(next(loader))
+            batch = (demonstrations.batch(prompts) if demonstrations is not None else
+                     sft_batch(prompts, data.tokenizer, max_response_length=recipe.data.max_response_length))
+            metrics = actor.sft(batch, batching=batching, lr=warmup.lr)
+            recent.append(metrics["sft/loss"])
+            step += 1
+            reached = (warmup.stop_loss is not None and len(recent) == recent.maxlen
+                       and mean(recent) < warmup.stop_loss)
+            if step % 50 == 0 or reached or step == warmup.steps:
+                tracker.message(f"sft warm-up step {step}: loss {mean(recent):.4f}")
+            if reached:
+                break
+    finally:
+        if demonstrations is not None:
+            demonstrations.close()
     # RL starts with fresh Adam moments: SFT momentum would otherwise keep moving the
     # weights even on steps whose advantages are all zero.
     actor.reset_optimizer_state()

@@ -86,7 +86,7 @@ class Trainer:
             with self._timed("gen"):
                 # Rows are scored as soon as they are generated, while the others still generate.
                 scoring = r.reward.begin(batch, gen_batch)
-                rollout = r.rollout.generate(gen_batch, s.sampling, seed=step, on_rows=scoring.add)
+                rollout = r.generate(gen_batch, s.sampling, seed=step, on_rows=scoring.add)
             batch = phases.add_response_mask(batch.union(rollout))
             order = np.arange(len(batch))  # the generation row of each batch row
             if s.balance_batch:
@@ -144,6 +144,7 @@ class Trainer:
             max_response_length=self.settings.max_response_length,
             max_prompt_length=self.settings.max_prompt_length,
             values=batch["values"] if "values" in batch else None,
+            response_span=batch["attention_mask"][:, prompt_width:],
             kept=~batch["dropped"] if "dropped" in batch else None,  # rows a failed remote reward dropped
         )
         metrics["rollout/logprob_diff"] = float(

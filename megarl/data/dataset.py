@@ -66,13 +66,16 @@ def read_prompt_rows(paths: Sequence[Path], prompt_key: str,
                              row_problems=lambda row: _row_problems(row, prompt_key, ground_truth_checks or {}))
 
 
-def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]]) -> list[list[int]]:
-    """Token ids of each conversation under the tokenizer's chat template, ending with the generation prompt."""
+def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]],
+                     tools: Sequence[dict] | None = None) -> list[list[int]]:
+    """Token ids of each conversation under the tokenizer's chat template, ending with the generation prompt;
+    `tools` (function schemas) are shown the way the template shows tools (Qwen: in the system prompt)."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "")
         raise InputError(f"tokenizer {name!r} has no chat template to format the prompts with")
     texts = [
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                      **({"tools": list(tools)} if tools else {}))
         for messages in conversations
     ]
     # The template already holds every special token the model needs.
@@ -80,7 +83,8 @@ def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]]) -> lis
 
 
 class RLDataset:
-    """Rows in DESIGN.md §2 format (read from parquet files, or generated), with chat-templated prompt token ids.
+    """Rows in DESIGN.md §2 format (read from parquet files, or generated), with chat-templated prompt token ids
+    (showing `tools`, the function schemas of a multi-turn run, where the template shows tools).
 
     Prompts longer than `max_prompt_length` tokens are dropped (counted in `num_dropped`).
     Item `i` is a dict: input_ids (list[int]), data_source, reward_model, extra_info,
@@ -90,17 +94,18 @@ class RLDataset:
 
     @classmethod
     def from_files(cls, files: Sequence[str | Path], tokenizer: Any, *, max_prompt_length: int,
-                   prompt_key: str = "prompt", ground_truth_checks: GroundTruthChecks | None = None) -> RLDataset:
+                   prompt_key: str = "prompt", ground_truth_checks: GroundTruthChecks | None = None,
+                   tools: Sequence[dict] | None = None) -> RLDataset:
         """The rows of parquet files, each checked (InputError naming the file and row of every unusable one)."""
         paths = [Path(file) for file in files]
         rows = read_prompt_rows(paths, prompt_key, ground_truth_checks)
         return cls(rows, tokenizer, max_prompt_length=max_prompt_length, prompt_key=prompt_key,
-                   source=", ".join(map(str, paths)))
+                   source=", ".join(map(str, paths)), tools=tools)
 
     def __init__(self, rows: Sequence[dict], tokenizer: Any, *, max_prompt_length: int, prompt_key: str = "prompt",
-                 source: str = "generated rows"):
+                 source: str = "generated rows", tools: Sequence[dict] | None = None):
         self.source, self.num_rows = source, len(rows)
-        token_ids = tokenize_prompts(tokenizer, [row[prompt_key] for row in rows])
+        token_ids = tokenize_prompts(tokenizer, [row[prompt_key] for row in rows], tools)
         kept = [position for position, ids in enumerate(token_ids) if len(ids) <= max_prompt_length]
         self.num_dropped = len(rows) - len(kept)
         if self.num_dropped:

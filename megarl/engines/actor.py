@@ -19,7 +19,7 @@ import torch
 
 from megarl.config.settings import Batching, LoraSettings, OptimizerSettings, PolicyUpdateSettings
 from megarl.engines import cpu_compat, hf_weights, lora
-from megarl.engines.engine_base import SEQUENCE_KEYS, MegatronEngine, global_normalisers, pick
+from megarl.engines.engine_base import SEQUENCE_KEYS, MegatronEngine, check_finite, global_normalisers, pick
 from megarl.engines.losses import (
     dp_sum,
     loss_scale,
@@ -150,5 +150,7 @@ class PolicyEngine(MegatronEngine):
         train.zero_grad()
         outputs = run_schedule(self._chunks, micro, loss_fn=loss_fn, forward_only=False)
         grad_norm = train.step_with_lr(lr)
-        return {"sft/loss": reduce_sft_loss(outputs), "sft/grad_norm": grad_norm, "sft/lr": float(lr),
-                "sft/tokens": tokens}
+        metrics = {"sft/loss": reduce_sft_loss(outputs), "sft/grad_norm": grad_norm, "sft/lr": float(lr),
+                   "sft/tokens": tokens}
+        check_finite(metrics, where="an SFT step")
+        return metrics

@@ -12,6 +12,7 @@ checkpoints, so a resumed run shuffles as the uninterrupted one would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,23 @@ from megarl.engines.schedule import (
 
 Tensor = torch.Tensor
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm: the trainer's weights can no longer be used (nor sent anywhere)."""
+
+
+def check_finite(metrics: dict[str, float], *, where: str) -> None:
+    """Stop the step when a loss or gradient norm of `metrics` is NaN or infinite, naming it.
+
+    The trainer is where a divergence happens, so it is caught here, once per optimizer step, before its
+    weights reach the rollout servers or a checkpoint (the servers load what they are sent, as SGLang's do)."""
+    bad = [f"{key} is {value}" for key, value in metrics.items()
+           if key.endswith(("loss", "grad_norm")) and not math.isfinite(value)]
+    if bad:
+        raise TrainingDiverged(f"training diverged at {where}: {', '.join(bad)}; stopped before these weights "
+                               f"reach the rollout servers or a checkpoint (lower the learning rate, or check the "
+                               f"rewards and advantages of this step)")
 
 
 def global_normalisers(response_mask: Tensor) -> dict[str, float]:
@@ -157,12 +175,14 @@ class MegatronEngine:
         generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + self._update_calls)
         self._update_calls += 1
         history: list[dict[str, float]] = []
-        for _ in range(settings.epochs):
+        for epoch in range(settings.epochs):
             order = torch.randperm(rows, generator=generator) if settings.shuffle else torch.arange(rows)
             for start in range(0, rows, mini_batch_size):
                 mini = {key: value[order[start : start + mini_batch_size]] for key, value in data.items()}
                 micro = micro_batches(mini) if micro_batches else self._micro_batches(mini, settings.batching)
                 history.append(step(mini, micro))
+                check_finite(history[-1], where=f"update call {self._update_calls}, epoch {epoch + 1}, "
+                                                f"mini-batch {start // mini_batch_size + 1}")
         return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
 
     def _optimizer_step(self, train: TrainState, micro: MicroBatches, loss_fn: Callable) -> tuple[list, float, float]:

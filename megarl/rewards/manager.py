@@ -51,13 +51,15 @@ def _column(values: Sequence[Any]) -> np.ndarray:
 
 
 def at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-row scores [B] -> [B, R] float32 with each score at index valid_response_length - 1, so `.sum(-1)` gives
+    """Per-row scores [B] -> [B, R] float32 with each score on the row's last response token (the last position
+    where `response_mask` is 1: with multi-turn episodes the model's last token, not a tool's), so `.sum(-1)` gives
     them back. An empty response (no response token) keeps its score too, at index 0 of its window (outside its
     mask, as verl's reward managers store it outside, at index -1): a format penalty for saying nothing reaches
     the row's outcome reward, and the group baselines."""
-    lengths = response_mask.sum(-1).long()
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    last = torch.where(response_mask.bool(), positions, -1).max(-1).values
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    out[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] = scores.float()
+    out[torch.arange(len(last)), last.clamp(min=0)] = scores.float()
     return out
 
 

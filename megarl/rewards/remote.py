@@ -29,12 +29,13 @@ import concurrent.futures
 import json
 import math
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+T = TypeVar("T")
 
 
 class RemoteRewardError(RuntimeError):
@@ -48,10 +49,57 @@ class RemoteRewardError(RuntimeError):
                          + (f"\n... and {more} more" if more > 0 else ""))
 
 
-class _RowFailed(Exception):
+class RequestFailed(Exception):
+    """One request that failed for good (after its retries, or at once when retrying cannot help)."""
+
+
+class _AttemptFailed(Exception):
     def __init__(self, message: str, *, retryable: bool):
         super().__init__(message)
         self.retryable = retryable
+
+
+async def post_json(session: aiohttp.ClientSession, url: str, body: Any, *, slots: asyncio.Semaphore, retries: int,
+                    backoff_s: float, read: Callable[[Any], T]) -> T:
+    """POST `body` to `url` and return `read(<the JSON answer>)`, with the failure rules of the module docstring
+    (`read` raises ValueError, KeyError or TypeError for an unusable answer); RequestFailed with the last error."""
+    attempt = 0
+    while True:
+        try:
+            async with slots:
+                return await _attempt(session, url, body, read)
+        except _AttemptFailed as failure:
+            if not failure.retryable or attempt >= retries:
+                tries = f" after {attempt + 1} attempts" if attempt else ""
+                raise RequestFailed(f"{failure}{tries}") from None
+        await asyncio.sleep(backoff_s * 2**attempt)
+        attempt += 1
+
+
+async def _attempt(session: aiohttp.ClientSession, url: str, body: Any, read: Callable[[Any], T]) -> T:
+    try:
+        async with session.post(url, json=body) as response:
+            text = await response.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+        raise _AttemptFailed(f"{url}: {type(error).__name__}: {error}".rstrip(": "), retryable=True) from None
+    if response.status != 200:
+        raise _AttemptFailed(f"{url}: HTTP {response.status}: {text.strip()[:200]}",
+                             retryable=response.status in RETRYABLE_STATUS)
+    try:
+        return read(json.loads(text))
+    except (ValueError, KeyError, TypeError) as error:
+        reason = error.args[0] if isinstance(error, ValueError) and error.args else f"{type(error).__name__} {error}"
+        raise _AttemptFailed(f"{url}: {reason} in the answer {text.strip()[:200]!r}", retryable=False) from None
+
+
+def _read_score(answer: Any) -> float:
+    try:
+        score = float(answer["score"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("no numeric 'score'") from None
+    if not math.isfinite(score):
+        raise ValueError(f"non-finite score {score}")
+    return score
 
 
 class RemoteRewardClient:
@@ -84,36 +132,11 @@ class RemoteRewardClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
             self._slots = asyncio.Semaphore(self._max_concurrency)
-        attempt = 0
-        while True:
-            try:
-                async with self._slots:
-                    return await self._attempt(row)
-            except _RowFailed as failure:
-                if not failure.retryable or attempt >= self.retries:
-                    tries = f" after {attempt + 1} attempts" if attempt else ""
-                    raise RemoteRewardError([(str(row.get("uid")), int(row.get("sample", 0)),
-                                              f"{failure}{tries}")]) from None
-            await asyncio.sleep(self.backoff_s * 2**attempt)
-            attempt += 1
-
-    async def _attempt(self, row: dict) -> float:
         try:
-            async with self._session.post(self.url, json=row) as response:
-                text = await response.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-            raise _RowFailed(f"{self.url}: {type(error).__name__}: {error}".rstrip(": "), retryable=True) from None
-        if response.status != 200:
-            raise _RowFailed(f"{self.url}: HTTP {response.status}: {text.strip()[:200]}",
-                             retryable=response.status in RETRYABLE_STATUS)
-        try:
-            score = float(json.loads(text)["score"])
-        except (ValueError, KeyError, TypeError):
-            raise _RowFailed(f"{self.url}: no numeric 'score' in the answer {text.strip()[:200]!r}",
-                             retryable=False) from None
-        if not math.isfinite(score):
-            raise _RowFailed(f"{self.url}: non-finite score {score}", retryable=False)
-        return score
+            return await post_json(self._session, self.url, row, slots=self._slots, retries=self.retries,
+                                   backoff_s=self.backoff_s, read=_read_score)
+        except RequestFailed as failure:
+            raise RemoteRewardError([(str(row.get("uid")), int(row.get("sample", 0)), str(failure))]) from None
 
     def close(self) -> None:
         if self._loop.is_closed():

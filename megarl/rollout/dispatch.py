@@ -10,8 +10,10 @@ answer is the request's fault and fails the call at once. Each row's result is
 stored once; the attempts per request are bounded.
 
 Every row has its own sampling seed derived from the call's seed and the row
-index (`megarl.rollout.sampling`, the client's bodies too), so a retried sample on
-another server is the same sample.
+index (`megarl.rollout.sampling`, the client's bodies too). Servers honour it
+only when started with `--enable-deterministic-inference` (`rollout.deterministic`):
+then a retried sample on another server is the same sample; without it SGLang
+ignores the seed and a retry draws another sample.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import contextlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
 from megarl.config.settings import SamplingSettings
 from megarl.errors import InputError
@@ -70,6 +70,7 @@ from megarl.rollout.sglang_launcher import passthrough_args
 # push(urls=[...], version=v) loads the trainer's current weights into those servers under version v;
 # on GPUs it also gets devices=[per server, the UUID of each TP rank's GPU] (the tensor transport needs them).
 WeightSource = Callable[..., Any]
+T = TypeVar("T")
 
 
 class GenerationInterrupted(RuntimeError):
@@ -171,20 +172,44 @@ class RolloutFleet:
         while the others generate); it runs on the client's event loop and must only queue work."""
         prompts = prompt_token_lists(gen_batch)
         groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
+        results = self.run_generation(generate_rows(
+            prompts, groups, sampling=sampling, seed=self.call_seed(seed), targets=self,
+            request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows,
+        ))
+        return rollout_batch(gen_batch, results, pad_id=self.pad_token_id,
+                             max_response_length=sampling.max_new_tokens)
+
+    def call_seed(self, seed: int) -> int:
+        """The seed of a generation call numbered `seed` (the step) in this run; rows derive theirs from it."""
+        return self.seed * 100_003 + seed
+
+    def run_generation(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run a generation `coroutine` on the fleet's event loop and wait for it; servers found dead before or
+        after are restarted. `stop_generating()` cancels it (GenerationInterrupted)."""
         with self._generation_lock:
             if self._generation_stopped:
+                coroutine.close()
                 raise GenerationInterrupted("generation was stopped: the run is shutting down")
-            self._generation = self._client.submit(self._generate_rows(
-                prompts, groups, sampling=sampling, seed=self.seed * 100_003 + seed, on_rows=on_rows,
-            ))
+            self._generation = self._client.submit(self._checked(coroutine))
         try:
-            results = self._generation.result()
+            return self._generation.result()
         except concurrent.futures.CancelledError:
             raise GenerationInterrupted("generation was stopped: the run is shutting down") from None
         finally:
             self._generation = None
-        return rollout_batch(gen_batch, results, pad_id=self.pad_token_id,
-                             max_response_length=sampling.max_new_tokens)
+
+    async def generate_one(self, input_ids: list[int], sampling: SamplingSettings, *,
+                           seed: int | None) -> GenerationResult:
+        """One sample continuing `input_ids` exactly, sent through the fleet with its retries (on the fleet's loop,
+        inside `run_generation`): a turn of a multi-turn episode."""
+        (result,) = await generate_rows([list(input_ids)], [[0]], sampling=sampling, seed=seed, targets=self,
+                                        request=self._client.request, max_attempts=self.max_attempts)
+        return result
+
+    def on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run `coroutine` on the fleet's event loop, where generation runs (what generation coroutines use, e.g.
+        a tool sandbox, is started and stopped there)."""
+        return self._client.run(coroutine)
 
     def stop_generating(self) -> None:
         """Cancel the generation in flight and refuse later ones (from any thread)."""
@@ -193,17 +218,13 @@ class RolloutFleet:
             if self._generation is not None:
                 self._generation.cancel()
 
-    async def _generate_rows(
-        self, prompts: list[list[int]], groups: list[list[int]], *, sampling: SamplingSettings, seed: int,
-        on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
-    ) -> list[GenerationResult]:
+    async def _checked(self, coroutine: Coroutine[Any, Any, T]) -> T:
         # Checks before and after: a server may have died while idle, and the router
         # re-sends a dead worker's requests itself, so only a check can see that death.
         await self._check_all()
-        results = await generate_rows(prompts, groups, sampling=sampling, seed=seed, targets=self,
-                                      request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows)
+        result = await coroutine
         await self._check_all()
-        return results
+        return result
 
     # ---- weights -----------------------------------------------------------------------------
 

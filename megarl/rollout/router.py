@@ -7,7 +7,9 @@ fleet sends those to every server directly. Workers are managed through
 `POST /workers {"url"}` (202, registered asynchronously), `GET /workers` and
 `DELETE /workers/{id}`; `add_worker`/`remove_worker` wait until the change
 shows in the listing. The router binds to loopback: only the driver talks to it.
-With an API key, the router requires it from clients and sends it to workers.
+With an API key, the router requires it from clients and sends it to workers; the
+key reaches it through the environment (`router_main`), never its command line.
+The router's own health checks are off: liveness is the fleet's (`/model_info`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.ports import free_port
+from megarl.rollout.router_main import ROUTER_API_KEY_ENV
 from megarl.rollout.server import ServerHandle, spawn_server, wait_healthy
 
 POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
@@ -30,13 +33,14 @@ class RouterError(RuntimeError):
     """The router refused or did not finish a worker change; names the router, the worker and the reply."""
 
 
-def router_argv(worker_urls: list[str], *, policy: str, host: str, port: int, api_key: str | None) -> list[str]:
+def router_argv(worker_urls: list[str], *, policy: str, host: str, port: int) -> list[str]:
+    """The router's command line: no key on it (`router_main` takes it from the environment), and no health
+    checks of its own (they GET /health, which on SGLang generates a token: on a server paused for a sync it
+    fails after 20 s, and three failures would drop the worker; the fleet watches its servers itself)."""
     if policy not in POLICIES:
         raise ValueError(f"router policy must be one of {POLICIES}, got {policy!r}")
-    argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls]
-    argv += ["--policy", policy, "--host", host, "--port", str(port), "--log-level", "warn"]
-    if api_key:
-        argv += ["--api-key", api_key]
+    argv = [sys.executable, "-m", "megarl.rollout.router_main", "--worker-urls", *worker_urls]
+    argv += ["--policy", policy, "--host", host, "--port", str(port), "--log-level", "warn", "--disable-health-check"]
     return argv
 
 
@@ -116,8 +120,9 @@ def start_router(
 ) -> RouterHandle:
     """Start the router on `worker_urls` and wait until it is up and lists them all."""
     port = port if port is not None else free_port(host)
-    argv = router_argv(worker_urls, policy=policy, host=host, port=port, api_key=api_key)
-    server = spawn_server(argv, url=f"http://{host}:{port}", log_path=log_path, api_key=api_key)
+    argv = router_argv(worker_urls, policy=policy, host=host, port=port)
+    env = {ROUTER_API_KEY_ENV: api_key} if api_key else None
+    server = spawn_server(argv, url=f"http://{host}:{port}", log_path=log_path, env=env, api_key=api_key)
     router = RouterHandle(server, api_key=api_key)
     try:
         wait_healthy(router.url, exit_code=router.exit_code, log_tail=router.log_tail,

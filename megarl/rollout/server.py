@@ -7,6 +7,11 @@ answers 200. A server that exits early or never becomes healthy raises
 unless told otherwise. The pieces (`cpu_engine_command`, `spawn_server`,
 `wait_healthy`) are also used by the fleet, whose servers may be SGLang
 processes owned by Ray actors.
+
+No secret is ever on a command line (every local user can read
+`/proc/<pid>/cmdline`): the API key travels in a YAML file only its owner can
+read (`write_secrets`), named by `--config FILE.yaml`, which SGLang 0.5.23 and
+the CPU engine both read their arguments from (the command line wins over it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+import yaml
 
 from megarl.ports import free_port
 
@@ -40,6 +47,7 @@ class ServerHandle:
     process: subprocess.Popen
     log_path: Path
     api_key: str | None = None
+    secrets_path: Path | None = None  # the --config file holding the key, removed once the server stops
     _stopped: bool = field(default=False, repr=False)
 
     @property
@@ -57,15 +65,19 @@ class ServerHandle:
         if self._stopped:
             return
         self._stopped = True
-        if self.process.poll() is not None:
-            return
-        # The server was started in its own session, so its process group id is its PID.
-        _signal_group(self.process.pid, signal.SIGTERM)
         try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=timeout_s)
+            if self.process.poll() is not None:
+                return
+            # The server was started in its own session, so its process group id is its PID.
+            _signal_group(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=timeout_s)
+        finally:
+            if self.secrets_path is not None:
+                self.secrets_path.unlink(missing_ok=True)
 
     def __enter__(self) -> ServerHandle:
         return self
@@ -74,12 +86,29 @@ class ServerHandle:
         self.stop()
 
 
+def write_secrets(path: str | Path, values: dict[str, str]) -> Path:
+    """Write `values` (flag name -> value) as a `--config` YAML file that only its owner can read or write."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)  # a file left by another start keeps its old mode; start afresh
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        yaml.safe_dump(values, file)
+    return path
+
+
+def secrets_path_for(log_path: str | Path) -> Path:
+    """Where the secrets of the server logging to `log_path` go: beside its log, `<log stem>.secrets.yaml`."""
+    log_path = Path(log_path)
+    return log_path.with_name(f"{log_path.stem}.secrets.yaml")
+
+
 def cpu_engine_command(
     model_path: str | Path,
     *,
     host: str,
     port: int,
-    api_key: str | None = None,
+    config: str | Path | None = None,
     threads: int = 1,
     tokenizer_path: str | Path | None = None,
     max_batch: int = 256,
@@ -92,24 +121,29 @@ def cpu_engine_command(
     health_check_timeout_s: float | None = None,
     weight_update_group_timeout_s: float | None = None,
     max_request_bytes: int | None = None,
+    max_sequences: int | None = None,
+    max_reply_entries: int | None = None,
+    deterministic: bool = False,
 ) -> list[str]:
-    """The argv that runs one CPU engine server."""
+    """The argv that runs one CPU engine server; `config` is a file of further arguments (the API key)."""
     command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
     command += ["--log-level", log_level]
-    optional = {"--api-key": api_key, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
+    optional = {"--config": config, "--tokenizer-path": tokenizer_path, "--weight-version": weight_version,
                 "--seed": seed, "--dtype": dtype, "--health-check-timeout-s": health_check_timeout_s,
                 "--weight-update-group-timeout-s": weight_update_group_timeout_s,
-                "--max-request-bytes": max_request_bytes}
+                "--max-request-bytes": max_request_bytes, "--max-sequences": max_sequences,
+                "--max-reply-entries": max_reply_entries}
     for flag, value in optional.items():
         if value is not None:
             command += [flag, str(value)]
-    switches = {"--enable-memory-saver": enable_memory_saver, "--enable-weights-cpu-backup": enable_weights_cpu_backup}
+    switches = {"--enable-memory-saver": enable_memory_saver, "--enable-weights-cpu-backup": enable_weights_cpu_backup,
+                "--enable-deterministic-inference": deterministic}
     return command + [flag for flag, on in switches.items() if on]
 
 
 def spawn_server(command: list[str], *, url: str, log_path: str | Path, env: dict[str, str] | None = None,
-                 api_key: str | None = None) -> ServerHandle:
+                 api_key: str | None = None, secrets_path: Path | None = None) -> ServerHandle:
     """Start `command` in its own session with stdout+stderr appended to `log_path`; does not wait."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,7 +151,7 @@ def spawn_server(command: list[str], *, url: str, log_path: str | Path, env: dic
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
         )
-    return ServerHandle(url=url, process=process, log_path=log_path, api_key=api_key)
+    return ServerHandle(url=url, process=process, log_path=log_path, api_key=api_key, secrets_path=secrets_path)
 
 
 def start_cpu_engine(
@@ -138,10 +172,12 @@ def start_cpu_engine(
         handle, name = tempfile.mkstemp(prefix=f"megarl-cpu-engine-{port}-", suffix=".log")
         os.close(handle)
         log_path = name
-    command = cpu_engine_command(model_path, host=host, port=port, api_key=api_key, threads=threads, **options)
+    secrets = write_secrets(secrets_path_for(log_path), {"api-key": api_key}) if api_key else None
+    command = cpu_engine_command(model_path, host=host, port=port, config=secrets, threads=threads, **options)
     # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
     process_env = {**(env or {}), "OMP_NUM_THREADS": str(threads)}
-    server = spawn_server(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key)
+    server = spawn_server(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key,
+                          secrets_path=secrets)
     try:
         wait_healthy(server.url, exit_code=server.process.poll, log_tail=server.log_tail,
                      timeout_s=startup_timeout_s, what=f"CPU engine (log {server.log_path})")

@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megarl.ports import free_port, port_is_free
-from megarl.rollout.server import LOG_TAIL_CHARS, ServerHandle, cpu_engine_command, spawn_server
+from megarl.rollout.server import (
+    LOG_TAIL_CHARS,
+    ServerHandle,
+    cpu_engine_command,
+    secrets_path_for,
+    spawn_server,
+    write_secrets,
+)
 from megarl.rollout.sglang_launcher import sglang_server_argv
 
 LOOPBACK = "127.0.0.1"
@@ -49,6 +56,8 @@ class ServerSpec:
     enable_memory_saver: bool = False  # allow /release_memory_occupation (colocated GPUs)
     enable_weights_cpu_backup: bool = False  # resumed weights come back from a host copy
     seed: int | None = None
+    deterministic: bool = False  # --enable-deterministic-inference: each request's sampling_seed is honoured
+    max_sequences: int | None = None  # CPU engine: most sequences (prompts x n) one request may ask for
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -110,11 +119,11 @@ class ServerHost:
             command, env = self._command()
             self.starts += 1
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            shown = " ".join("***" if arg == self.spec.api_key else arg for arg in command)
             with open(self.log_path, "a") as log:
-                log.write(f"=== megarl: start {self.starts} of rollout server {self.index}: {shown}\n")
+                log.write(f"=== megarl: start {self.starts} of rollout server {self.index}: {' '.join(command)}\n")
             url = f"http://{self.reachable}:{self.port}"
-            self.server = spawn_server(command, url=url, log_path=self.log_path, env=env, api_key=self.spec.api_key)
+            self.server = spawn_server(command, url=url, log_path=self.log_path, env=env, api_key=self.spec.api_key,
+                                       secrets_path=self._secrets())
             return {"url": url, "pid": self.server.pid, "node": current_node_id()}
 
     def restart(self, any_port: bool = False) -> dict[str, Any]:
@@ -167,23 +176,36 @@ class ServerHost:
                 return port
         return free_port(self.address)
 
+    def _secrets(self) -> Path | None:
+        """The `--config` file holding the API key (only its owner may read it); None without a key."""
+        if not self.spec.api_key:
+            return None
+        return secrets_path_for(self.log_path)
+
     def _command(self) -> tuple[list[str], dict[str, str]]:
         spec = self.spec
+        config = write_secrets(self._secrets(), {"api-key": spec.api_key}) if spec.api_key else None
         if spec.backend == "cpu":
             command = cpu_engine_command(
-                spec.model_path, host=self.address, port=self.port, api_key=spec.api_key, threads=spec.threads,
+                spec.model_path, host=self.address, port=self.port, config=config, threads=spec.threads,
                 tokenizer_path=spec.tokenizer_path, weight_version=spec.weight_version, seed=spec.seed,
                 enable_memory_saver=spec.enable_memory_saver, enable_weights_cpu_backup=spec.enable_weights_cpu_backup,
+                deterministic=spec.deterministic, max_sequences=spec.max_sequences,
             )
             # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
             return command, {"OMP_NUM_THREADS": str(spec.threads)}
         command = sglang_server_argv(
             model_path=spec.model_path, host=self.address, port=self.port, tp_size=spec.tp,
-            mem_fraction_static=spec.mem_fraction, api_key=spec.api_key, weight_version=spec.weight_version,
+            mem_fraction_static=spec.mem_fraction, config=config, weight_version=spec.weight_version,
             skip_tokenizer_init=spec.skip_tokenizer_init, enable_memory_saver=spec.enable_memory_saver,
-            enable_weights_cpu_backup=spec.enable_weights_cpu_backup, extra=spec.sglang_args,
+            enable_weights_cpu_backup=spec.enable_weights_cpu_backup, deterministic=spec.deterministic,
+            extra=spec.sglang_args,
         )
-        env = {} if self.gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in self.gpu_ids)}
+        # /health without its one-token generation: a probe must never generate on a server paused for a sync
+        # (it would block, then fail) or on memory released to a colocated trainer.
+        env = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+        if self.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in self.gpu_ids)
         return command, env
 
 

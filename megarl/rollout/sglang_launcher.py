@@ -1,39 +1,22 @@
 """The `python -m sglang.launch_server` command line of one rollout server.
 
 megarl sets the arguments it owns (model, parallelism, memory share, address,
-API key, weight version, tokenizer and memory-saver switches); everything else
-comes verbatim from the recipe's `rollout.sglang` block, one key per server
-argument. A pass-through key that megarl owns is a user error naming the
-recipe field to use instead, so a run never starts with two values for one flag.
+the `--config` file of the run's secrets, weight version, tokenizer and
+memory-saver switches); everything else comes verbatim from the recipe's
+`rollout.sglang` block, one key per server argument. A pass-through key that
+megarl owns is a user error naming the recipe field to use instead
+(`config.sglang_args`), so a run never starts with two values for one flag.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from megarl.config.sglang_args import sglang_block_problems
 from megarl.errors import InputError
-
-# SGLang flag (without dashes) -> the recipe field that sets it.
-OWNED_FLAGS = {
-    "model-path": "model (the fleet loads the run's weights)",
-    "tp-size": "rollout.tp",
-    "tp": "rollout.tp",
-    "tensor-parallel-size": "rollout.tp",
-    "mem-fraction-static": "rollout.mem_fraction",
-    "host": "rollout.host",
-    "port": "rollout.port",
-    "api-key": "nothing (every run gets its own key)",
-    "weight-version": "nothing (the fleet tracks weight versions)",
-    "skip-tokenizer-init": "nothing (megarl sends and reads token ids)",
-    "enable-memory-saver": "nothing (set by the placement)",
-    "enable-weights-cpu-backup": "nothing (set by the placement)",
-}
-_KEY = re.compile(r"^[a-z][a-z0-9]*([_-][a-z0-9]+)*$")
-
 
 def passthrough_args(block: dict[str, Any], *, where: str = "rollout.sglang") -> list[str]:
     """`{key: value}` -> `--key value` in the block's order.
@@ -41,16 +24,12 @@ def passthrough_args(block: dict[str, Any], *, where: str = "rollout.sglang") ->
     `snake_case` keys become `--kebab-case`; True is a bare flag, False and None
     are left out; a list is `--key v1 v2 ...`; a dict is one JSON argument.
     """
-    problems: list[str] = []
+    problems = sglang_block_problems(block, where=where)
+    if problems:
+        raise InputError(problems)
     argv: list[str] = []
     for key, value in block.items():
-        if not isinstance(key, str) or not _KEY.match(key):
-            problems.append(f"{where}.{key}: not an SGLang argument name (lowercase words joined by _ or -)")
-            continue
         flag = key.replace("_", "-")
-        if flag in OWNED_FLAGS:
-            problems.append(f"{where}.{key}: set by megarl; use {OWNED_FLAGS[flag]}")
-            continue
         if value is None or value is False:
             continue
         if value is True:
@@ -76,20 +55,22 @@ def sglang_server_argv(
     port: int,
     tp_size: int,
     mem_fraction_static: float,
-    api_key: str | None,
+    config: str | Path | None,
     weight_version: str | None = None,
     skip_tokenizer_init: bool = True,
     enable_memory_saver: bool = False,
     enable_weights_cpu_backup: bool = False,
+    deterministic: bool = False,
     extra: dict[str, Any] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
-    """The full argv: megarl's arguments first, then the pass-through block."""
+    """The full argv: megarl's arguments first, then the pass-through block. `config` is the YAML file of
+    the run's secrets (the API key), which SGLang reads with `--config`: never a secret on the command line."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path)]
     argv += ["--tp-size", str(tp_size), "--mem-fraction-static", _scalar(mem_fraction_static)]
     argv += ["--host", host, "--port", str(port)]
-    if api_key:
-        argv += ["--api-key", api_key]
+    if config is not None:
+        argv += ["--config", str(config)]
     if weight_version is not None:
         argv += ["--weight-version", str(weight_version)]
     if skip_tokenizer_init:
@@ -98,6 +79,8 @@ def sglang_server_argv(
         argv.append("--enable-memory-saver")
     if enable_weights_cpu_backup:
         argv.append("--enable-weights-cpu-backup")
+    if deterministic:
+        argv.append("--enable-deterministic-inference")  # SGLang reads sampling_seed only with it
     return argv + passthrough_args(extra or {})
 
 

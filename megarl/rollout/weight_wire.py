@@ -15,14 +15,15 @@ engine accepts is exactly what real SGLang 0.5.23 accepts:
   (`srt/weight_sync/tensor_bucket.py`). A namespace, not a class of our own: SGLang
   unpickles with an allow-list (`SafeUnpickler`, `srt/utils/common.py`) that
   refuses any other module's globals, and its scheduler dies of the refusal.
-- Restricted unpickling: `SafeUnpickler` applies SGLang's rules (its module-prefix
-  allow-list and deny-list), so a payload the CPU engine loads is one SGLang loads.
+- Restricted unpickling: `SafeUnpickler` allows globals by exact `(module, name)` pair,
+  as SGLang 0.5.23 does, so a payload the CPU engine loads is one SGLang loads.
 - CUDA tensors travel with the *UUID* of their GPU instead of its index (SGLang's
   `monkey_patch_torch_reductions`, `srt/utils/patch_torch.py`): the trainer's
   `cuda:0` under Ray and the server's `cuda:0` are different GPUs. Pickling swaps
   index for UUID in a private dispatch table (no global patch); unpickling maps the
   UUID back to a local index (`device_index_for_uuid`).
-- Per-tensor digests (`tensor_digest`) for `weight_sync.verify: checksum`.
+- SGLang's weight checksums (`tensor_checksum`, `rank_checksum`, `engine_checksum`) for
+  `/weights_checker` and `weight_sync.verify: checksum`.
 - Weight-update groups: `new_update_group` is SGLang's `init_custom_process_group`
   rendezvous (TCP store at the trainer, `PrefixStore(group_name)`, a group outside
   the default one) for both the trainer (rank 0) and each server TP rank.
@@ -125,7 +126,9 @@ def device_index_for_uuid(uuid: str | int, visible: Sequence[str]) -> int:
 
 
 def _reduce_tensor_by_uuid(tensor: torch.Tensor):
-    rebuild, args = reductions.reduce_tensor(tensor)
+    # A Parameter travels as the plain tensor it wraps (same storage): the receiver's allow-list has no
+    # `torch.nn.parameter.Parameter`, and a weight update needs the values only.
+    rebuild, args = reductions.reduce_tensor(tensor.detach() if isinstance(tensor, torch.nn.Parameter) else tensor)
     if tensor.is_cuda:  # argument 6 of rebuild_cuda_tensor is the device index
         args = (*args[:6], device_uuid(args[6]), *args[7:])
     return rebuild, args
@@ -158,37 +161,44 @@ def serialize_named_tensors(named_tensors: NamedTensors, *, load_format: str | N
 
 
 class UnsafePayloadError(RuntimeError):
-    """A payload naming a global outside SGLang's allow-list; SGLang's scheduler dies of this."""
+    """A payload naming a global outside SGLang's allow-list (refused before anything of it ran)."""
+
+
+def _dtype_globals() -> frozenset[tuple[str, str]]:
+    # torch pickles a dtype as the global `torch.<name>`: values, not callables.
+    return frozenset(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
 
 
 class SafeUnpickler(pickle.Unpickler):
-    """SGLang 0.5.23's `SafeUnpickler` rules: a global loads only if its module is under an allowed
-    prefix and it is not on the deny-list. Everything else (a project's own classes) is refused."""
+    """SGLang 0.5.23's rule (`SafeUnpickler`, `srt/utils/common.py`): a global loads only if its exact
+    `(module, name)` pair is allowed; no module prefix is trusted, because `builtins`, `torch`, `functools`,
+    `operator` and SGLang's own modules all hold callables that chain into arbitrary code.
 
-    ALLOWED_MODULE_PREFIXES = (
-        "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
-        "torch.", "torch._tensor.", "torch.storage.", "torch.nn.parameter.", "torch.autograd.function.",
-        "torch.distributed.", "torch.distributed._shard.", "torch.distributed._composable.",
-        "torch._C._distributed_c10d.", "torch._C._distributed_fsdp.", "torch.distributed.optim.",
-        "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools.",
-        "peft.", "transformers.", "huggingface_hub.",
-        "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.",
-        "sglang.srt.utils.",
-    )
-    DENY = {("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
-            ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"), ("types", "CodeType"),
-            ("types", "FunctionType")}
+    The pairs here are the ones megarl's payloads need, CPU and CUDA forms: a tensor rebuilt from a shared
+    storage (`torch.multiprocessing.reductions`), its storage class, shape and dtype, and the
+    `types.SimpleNamespace` of a bucket's metadata. Each is in SGLang's set too (its own tests round-trip
+    a `ForkingPickler` tensor and a `SimpleNamespace`), so a payload this loads, SGLang loads."""
+
+    ALLOWED_GLOBALS = frozenset({
+        ("types", "SimpleNamespace"),
+        ("torch", "Size"),
+        ("torch", "Tensor"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),  # a CUDA tensor names its storage class
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    }) | _dtype_globals()
 
     def __init__(self, file, *, visible_devices: Callable[[], Sequence[str]]):
         super().__init__(file)
         self._visible_devices = visible_devices
 
     def find_class(self, module: str, name: str):
-        allowed = any(f"{module}.".startswith(prefix) for prefix in self.ALLOWED_MODULE_PREFIXES)
-        if (module, name) in self.DENY or not allowed:
+        if (module, name) not in self.ALLOWED_GLOBALS:
             # SGLang's own wording, so a log line reads the same on both servers.
-            raise UnsafePayloadError(f"Blocked unsafe class loading ({module}.{name}), "
-                                     f"to prevent exploitation of CVE-2025-10164")
+            raise UnsafePayloadError(f"Blocked unsafe global ({module}.{name})")
         found = super().find_class(module, name)
         if found is reductions.rebuild_cuda_tensor:
             return self._rebuild_cuda_tensor
@@ -242,24 +252,41 @@ def deserialize_named_tensors(serialized: str | bytes, *, load_format: str | Non
     return named_tensors_of(deserialize_payload(serialized), load_format=load_format)
 
 
-# ---- digests -----------------------------------------------------------------------------------
+# ---- checksums (SGLang's `/weights_checker`, `srt/utils/weight_checker.py`) ----------------------
 
-DIGEST_ALGORITHM = "blake2b-128 over float32-widened little-endian bytes and the shape"
+# Non-persistent buffers SGLang leaves out of its checksum (rotary tables and the like, rebuilt, never loaded).
+UNCHECKED_BUFFER_PATTERNS = ("cos_sin_cache", "inv_freq", "freqs_cis", "_weight_fp32")
 
 
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """The hex digest of one tensor (any device); equal digests mean bitwise-equal widened values.
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """SGLang's per-tensor checksum of a CPU tensor: the first 8 bytes of the SHA-256 of its raw bytes, as
+    16 hex digits (`weight_checker._hash_tensor` over `mm_utils.tensor_hash`). On GPUs SGLang hashes with a
+    kernel of its own, whose values differ: compare checksums only between CPU holders."""
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return f"{int.from_bytes(hashlib.sha256(memoryview(raw.numpy())).digest()[:8], 'big'):016x}"
 
-    Widened to float32 (exact for bf16/fp16), so a bf16 trainer and a float32 server agree
-    exactly when the server holds exactly the bf16 values; the shape is part of the digest.
-    """
+
+def held_checksum(tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> str:
+    """The checksum a server holding `tensor` in floating `dtype` reports (a bf16 trainer tensor, widened
+    exactly, as the float32 CPU engine holds it); non-floating tensors are held as they are."""
     values = tensor.detach()
-    if values.is_floating_point() and values.dtype != torch.float64:
-        values = values.to(torch.float32)
-    values = values.cpu().contiguous().reshape(-1)
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr(tuple(tensor.shape)).encode())
-    digest.update(memoryview(values.view(torch.uint8).numpy()))
+    return tensor_checksum(values.to(dtype) if values.is_floating_point() else values)
+
+
+def rank_checksum(checksums: dict[str, str]) -> str:
+    """SGLang's `per_gpu_checksum`: SHA-256 over the tensor names in sorted order, each followed by its checksum."""
+    digest = hashlib.sha256()
+    for name in sorted(checksums):
+        digest.update(name.encode())
+        digest.update(checksums[name].encode())
+    return digest.hexdigest()
+
+
+def engine_checksum(rank_checksums: Sequence[str]) -> str:
+    """SGLang's `per_engine_checksum`: SHA-256 over every rank's `per_gpu_checksum`, in rank order."""
+    digest = hashlib.sha256()
+    for checksum in rank_checksums:
+        digest.update(checksum.encode())
     return digest.hexdigest()
 
 

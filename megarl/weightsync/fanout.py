@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.weight_wire import tensor_digest
+from megarl.rollout.weight_wire import held_checksum
 from megarl.weightsync.groups import SyncGroups
 from megarl.weightsync.pipeline import bucket_views
 from megarl.weightsync.plan import Bucket
@@ -63,7 +63,7 @@ def run_fanout_turn(buckets: Sequence[Bucket], *, sender: int, assemble: Callabl
         if assemble is not None:
             assemble(bucket, flat if me == sender else None)
         if me == sender and verify:
-            digests.update((name, tensor_digest(t)) for name, t in bucket_views(bucket, flat))
+            digests.update((name, held_checksum(t)) for name, t in bucket_views(bucket, flat))
         _broadcast(flat[: bucket.nbytes], src=sender, groups=groups, bucket=bucket)
         entries = transport.handles(bucket, flat, mine=mine)
         gathered = groups.gather_to(sender, entries, phase=f"tensor fan-out, handles of bucket {bucket.index}")

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megarl.rollout.weight_wire import tensor_digest
+from megarl.rollout.weight_wire import held_checksum
 from megarl.weightsync.plan import Bucket
 from megarl.weightsync.session import WeightSyncError
 
@@ -89,7 +89,7 @@ def run_stage(
             while (item := filled.get()) is not None:
                 bucket, flat = item
                 if verify:
-                    digests.update((name, tensor_digest(t)) for name, t in bucket_views(bucket, flat))
+                    digests.update((name, held_checksum(t)) for name, t in bucket_views(bucket, flat))
                 transport.send(bucket, flat, last=bucket is buckets[-1])
                 free.put(flat)
         except BaseException as error:  # noqa: BLE001 - handed to the main thread
@@ -121,7 +121,7 @@ def _run_in_turn(buckets: Sequence[Bucket], *, assemble, transport: Transport, v
     for bucket in buckets:
         assemble(bucket, flat)
         if verify:
-            digests.update((name, tensor_digest(t)) for name, t in bucket_views(bucket, flat))
+            digests.update((name, held_checksum(t)) for name, t in bucket_views(bucket, flat))
         transport.send(bucket, flat, last=bucket is buckets[-1])
     return digests
 

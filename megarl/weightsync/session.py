@@ -5,7 +5,8 @@ A sync is one update session on every server: generation paused in place,
 new version (`abort_all_requests: false`, SGLang's default aborts every request),
 `/end_weight_update`, a cache flush, generation continued. Running requests never
 see half-updated weights, and a failed sync still closes the session and resumes
-generation. Transports send `flush_cache: false`: SGLang asserts that the flush
+generation; a session a failed sync left open is ended before the next begins,
+and when only some servers begin, those are ended again. Transports send `flush_cache: false`: SGLang asserts that the flush
 after an update succeeds, and it fails (killing the server) while requests paused
 in place are still running; the session's own `/flush_cache` is allowed to fail
 then (those requests keep their KV cache, new ones start after the flush of the
@@ -87,11 +88,21 @@ class UpdateSession:
         self.pause_mode = pause_mode
 
     def open(self) -> None:
+        """Pause, end any session a failed sync left open, and begin one on every server. When some server
+        cannot begin, the sessions that did open are ended again: none is left to refuse the next sync."""
         if self.pause_mode is not None:
             call_servers(self.client, "POST", "/pause_generation", {"mode": self.pause_mode}, phase="pause generation")
         try:
-            call_servers(self.client, "POST", "/begin_weight_update", {"selector": "all"},
-                         phase="begin weight update")
+            self._end_stale()
+            outcomes = self._each("POST", "/begin_weight_update", {"selector": "all"})
+            failed = [f"{url}: {_text(error)}" for url, error in outcomes if error is not None]
+            if failed:
+                opened = [url for url, error in outcomes if error is None]
+                try:
+                    self._each("POST", "/end_weight_update", {}, urls=opened)  # best effort; reported below
+                finally:
+                    raise WeightSyncError("begin weight update: POST /begin_weight_update failed on "
+                                          + "; ".join(failed))
         except WeightSyncError:
             self._resume()
             raise
@@ -114,6 +125,32 @@ class UpdateSession:
             finally:
                 self._resume()
 
+    def _end_stale(self) -> None:
+        """End a session a crashed or failed sync left open; a server without one refuses (400), which is fine."""
+        failed = [f"{url}: {_text(error)}" for url, error in self._each("POST", "/end_weight_update", {})
+                  if error is not None and not (isinstance(error, RolloutError) and error.status == 400)]
+        if failed:
+            raise WeightSyncError("end stale weight update: POST /end_weight_update failed on " + "; ".join(failed))
+
+    def _each(self, method: str, endpoint: str, body: Any, *, urls: list[str] | None = None
+              ) -> list[tuple[str, BaseException | str | None]]:
+        """(url, None or what went wrong) of one call on each server (all of the client's unless `urls`)."""
+        urls = self.client.urls if urls is None else urls
+
+        async def all_servers() -> list:
+            calls = (self.client.request(url, method, endpoint, body) for url in urls)
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        outcomes = []
+        for url, reply in zip(urls, self.client.run(all_servers())):
+            if isinstance(reply, BaseException):
+                outcomes.append((url, reply))
+            elif isinstance(reply, dict) and reply.get("success") is False:
+                outcomes.append((url, str(reply.get("message", "success: false"))))
+            else:
+                outcomes.append((url, None))
+        return outcomes
+
     def _flush_cache(self) -> None:
         """Drop KV computed with the old weights; a server with requests still in flight refuses (400)."""
         async def flush(url: str) -> None:
@@ -134,3 +171,7 @@ class UpdateSession:
     def _resume(self) -> None:
         if self.pause_mode is not None:
             call_servers(self.client, "POST", "/continue_generation", {}, phase="continue generation")
+
+
+def _text(error: BaseException | str) -> str:
+    return error.message if isinstance(error, RolloutError) else str(error)

@@ -10,8 +10,8 @@ then copied in while the scheduler holds between two decode steps, so requests
 paused in place continue on the new weights and report the new `weight_version`.
 
 `FatalError` marks the failures that kill SGLang's scheduler, and with it the
-server, because SGLang does not guard them: a tensor payload that names a global
-outside its allow-list or has no entry for a TP rank, a cache flush after an
+server, because SGLang does not guard them: a tensor payload that is no pickle
+or has no entry for a TP rank, a cache flush after an
 update while requests run or wait, a memory release while the server is busy.
 The HTTP layer answers such a request with 500 and then ends this process, so a
 CPU test fails exactly where a GPU cluster would.
@@ -35,10 +35,9 @@ from megarl.rollout.cpu_engine.weights import (
     load_model,
     load_tokenizer,
     read_checkpoint,
-    weight_checksums,
 )
+from megarl.rollout.cpu_engine.weight_checker import WeightChecker
 from megarl.rollout.weight_wire import (
-    DIGEST_ALGORITHM,
     UnsafePayloadError,
     deserialize_payload,
     named_tensors_of,
@@ -73,7 +72,10 @@ class EngineArgs:
     enable_weights_cpu_backup: bool = False
     health_check_timeout_s: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
     weight_update_group_timeout_s: float = 600.0
-    max_request_bytes: int = 64 << 20
+    max_request_bytes: int = 16 << 20
+    max_sequences: int = 256  # sequences (prompts x n) one /generate may ask for
+    max_reply_entries: int = 1 << 22  # token entries of one reply: n x tokens x (1 + top_logprobs_num)
+    enable_deterministic_inference: bool = False  # honour sampling_seed (SGLang reads it only with this flag)
 
 
 class CpuEngine:
@@ -97,6 +99,7 @@ class CpuEngine:
         # bucket (re-mapping page-faulted ~0.15 s per 1.9 GB, a third of the update time).
         self._recent_buckets: deque = deque(maxlen=RECENT_BUCKETS)
         self._control_lock = threading.Lock()
+        self._checker = WeightChecker(self.model)
         self.scheduler = Scheduler(
             self.model,
             max_batch=args.max_batch,
@@ -158,7 +161,10 @@ class CpuEngine:
                                f"buffers would never be released")
             try:
                 payload = deserialize_payload(serialized_named_tensors[0])
-            except (UnsafePayloadError, ValueError) as error:
+            except UnsafePayloadError as error:
+                # Refused at the global, before any of the payload ran; nothing changed.
+                return False, f"update_weights_from_tensor: {error}"
+            except ValueError as error:
                 raise FatalError(f"update_weights_from_tensor: {error}") from error
             try:
                 named = named_tensors_of(payload, load_format=load_format)
@@ -222,15 +228,13 @@ class CpuEngine:
             return False, str(error)
         return True, "Success"
 
-    def weights_checksum(self) -> tuple[bool, dict | str]:
-        """megarl's extension (see `weight_wire.tensor_digest`): a digest of every weight, read between steps."""
+    def check_weights(self, action: str) -> tuple[bool, str, dict]:
+        """SGLang's `/weights_checker` (see `weight_checker`), run between two decode steps."""
         with self._control_lock, self.scheduler.hold():
-            refused = self.memory.refusal("read weights", needs=("weights",))
+            refused = self.memory.refusal("check weights", needs=("weights",))
             if refused:
-                return False, refused
-            checksums = weight_checksums(self.model)
-            version = self.weight_version
-        return True, {"algorithm": DIGEST_ALGORITHM, "weight_version": version, "checksums": checksums}
+                return False, refused, {}
+            return self._checker.handle(action)
 
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
         with self._control_lock:

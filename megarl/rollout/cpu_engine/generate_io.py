@@ -7,9 +7,17 @@ value for all prompts or a list with one per prompt. A prompt with `n` samples
 becomes n sequences placed consecutively; the response is a list (batch order)
 for batched input or n > 1, else a single dict.
 
-Deviation from SGLang, on purpose: with `sampling_seed` s and n > 1, sample j
-is seeded with s + j (SGLang would draw n identical samples), so one request
-returns n different, reproducible samples.
+`sampling_seed` is honoured only by a server started with
+`--enable-deterministic-inference`, as SGLang reads it only then; otherwise a
+sample draws from the server's own generator, and a retried sample is another
+sample. Deviation from SGLang, on purpose: with `sampling_seed` s and n > 1,
+sample j is seeded with s + j (SGLang would draw n identical samples), so one
+request returns n different, reproducible samples.
+
+Bounds (the server's arguments, `Limits`): at most `max_sequences` sequences
+(prompts x n) per request, and at most `max_reply_entries` token entries in the
+reply, counted as n x tokens x (1 + top_logprobs_num): a 200-byte request must
+not buy a reply of hundreds of megabytes.
 """
 
 from __future__ import annotations
@@ -23,12 +31,19 @@ from megarl.rollout.cpu_engine.schema import GenerateBody, RequestError, Samplin
 from megarl.rollout.cpu_engine.sequence import SamplingSettings, Sequence
 
 Decode = Callable[[list[int], bool], str]
-# Guards the server against a request that would allocate millions of sequences.
-MAX_SEQUENCES_PER_REQUEST = 16384
 # A token of a BPE vocabulary stands for far fewer characters than this: a text longer than
 # context * this cannot fit, and is refused before it is tokenized (a 12 MB text used to
 # stall the server while tokenizing).
 MAX_CHARS_PER_TOKEN = 64
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (its start-up arguments)."""
+
+    max_sequences: int = 256
+    max_reply_entries: int = 1 << 22
+    honour_seed: bool = False  # --enable-deterministic-inference
 
 
 @dataclass
@@ -41,8 +56,10 @@ class GenerateJob:
     text_in_logprobs: bool
 
 
-def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, tokenizer: Any | None) -> GenerateJob:
-    """Validate the body against the model and expand it into sequences; RequestError lists every problem."""
+def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, tokenizer: Any | None,
+              limits: Limits = Limits()) -> GenerateJob:
+    """Validate the body against the model and the server's `limits` and expand it into sequences; RequestError
+    lists every problem."""
     problems: list[str] = []
     prompts, is_batch = _prompts(body, tokenizer, problems, max_chars=context_length * MAX_CHARS_PER_TOKEN)
     if problems:
@@ -66,8 +83,9 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
     if any(number > vocab_size for number in top_nums):
         problems.append(f"top_logprobs_num: at most the vocabulary size {vocab_size} (got {max(top_nums)})")
     total = sum(item.n or 1 for item in params)
-    if total > MAX_SEQUENCES_PER_REQUEST:
-        problems.append(f"sampling_params.n: {total} sequences in one request (most: {MAX_SEQUENCES_PER_REQUEST})")
+    if total > limits.max_sequences:
+        problems.append(f"sampling_params.n: {total} sequences in one request (prompts x n; this server's "
+                        f"--max-sequences is {limits.max_sequences})")
     if problems:
         raise RequestError(problems)
 
@@ -76,7 +94,7 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
         settings = _settings(params[index], len(prompt), context_length, tokenizer, index, problems)
         samples = params[index].n or 1
         for sample in range(samples):
-            seed = settings.seed + sample if settings.seed is not None else None
+            seed = settings.seed + sample if settings.seed is not None and limits.honour_seed else None
             seqs.append(
                 Sequence(
                     rid=rids[index] if samples == 1 else f"{rids[index]}_{sample}",
@@ -89,10 +107,24 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
                     stream=body.stream,
                 )
             )
+    entries = sum(reply_entries(seq) for seq in seqs)
+    if entries > limits.max_reply_entries:
+        problems.append(f"sampling_params.max_new_tokens: the reply would hold {entries} token entries (n x tokens x "
+                        f"(1 + top_logprobs_num)); this server's --max-reply-entries is {limits.max_reply_entries}: "
+                        f"ask for fewer tokens, samples or top log-probs, or split the request")
     if problems:
         raise RequestError(problems)
     returns_list = is_batch or len(seqs) > len(prompts)
     return GenerateJob(seqs, returns_list, body.stream, body.return_text_in_logprobs)
+
+
+def reply_entries(seq: Sequence) -> int:
+    """The most token entries `seq`'s reply can hold: its output tokens and, with log-probs, each prompt token
+    scored, each with its `top_logprobs_num` alternatives."""
+    tokens = seq.sampling.max_new_tokens
+    if seq.return_logprob and seq.logprob_start_len >= 0:
+        tokens += max(len(seq.prompt_ids) - seq.logprob_start_len, 0)
+    return tokens * (1 + (seq.top_logprobs_num if seq.return_logprob else 0))
 
 
 def output_dict(

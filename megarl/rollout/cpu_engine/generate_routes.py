@@ -1,5 +1,8 @@
 """The routes that generate: `/generate` (whole or streamed) and the one-token `/health` probe.
 
+Generating while memory is released is an error (500, logged): SGLang would run a forward pass on freed
+GPU memory.
+
 Generation holds the model-update gate shared, so an update made while generation
 is not paused waits for it (see `update_gate`). A non-streaming client that hangs up
 has its sequences aborted; a streaming one, when its stream is closed.
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from typing import Any, AsyncIterator, Callable
 
@@ -17,24 +21,28 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from megarl.rollout.cpu_engine.engine import CpuEngine
 from megarl.rollout.cpu_engine.generate_io import GenerateJob, build_job, output_dict
-from megarl.rollout.cpu_engine.schema import GenerateBody, RequestError, parse_body
+from megarl.rollout.cpu_engine.schema import GenerateBody, RequestError
 from megarl.rollout.cpu_engine.sequence import SamplingSettings, Sequence
-from megarl.rollout.cpu_engine.serving import read_json, state_of
+from megarl.rollout.cpu_engine.serving import read_body, state_of
 from megarl.rollout.cpu_engine.update_gate import ModelUpdateGate
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 DISCONNECT_POLL_S = 0.5
 
 
-@router.api_route("/health", methods=["GET"])
-@router.api_route("/health_generate", methods=["GET", "POST"])
+@router.get("/health")
+@router.get("/health_generate")
 async def health(request: Request) -> Response:
-    """200 once a one-token generation finishes; 503 while starting, released, or after the timeout."""
+    """200 once a one-token generation finishes; 503 while starting or after the timeout; 500 (and an error in
+    the log) on released memory."""
     state = state_of(request)
     engine = state.engine
-    if engine is None or engine.memory.released:
+    if engine is None:
         return Response(status_code=503)
+    if engine.memory.released:
+        return _released(engine, request.url.path)
     rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
     seq = Sequence(rid=rid, request_rid=rid, prompt_ids=[0],
                    sampling=SamplingSettings(max_new_tokens=1, temperature=0.0))
@@ -51,15 +59,17 @@ async def health(request: Request) -> Response:
     return Response(status_code=200 if seq.finish_reason["type"] != "abort" else 503)
 
 
-@router.post("/generate")
+@router.api_route("/generate", methods=["POST", "PUT"])
 async def generate(request: Request) -> Response:
     state = state_of(request)
     engine = state.engine
+    if engine.memory.released:
+        return _released(engine, "/generate")
     refused = engine.memory.generation_refusal()
     if refused:
         return JSONResponse({"error": {"message": refused}}, status_code=400)
     try:
-        body = parse_body(GenerateBody, await read_json(request, state.args.max_request_bytes))
+        body = await read_body(request, GenerateBody, state.args.max_request_bytes)
         # Tokenizing a text is real work: off the event loop, so /health and the control calls stay live.
         job = await asyncio.to_thread(
             build_job,
@@ -67,6 +77,7 @@ async def generate(request: Request) -> Response:
             vocab_size=engine.vocab_size,
             context_length=engine.context_length,
             tokenizer=engine.tokenizer,
+            limits=state.limits,
         )
     except RequestError as error:
         return JSONResponse({"error": {"message": "; ".join(error.problems)}}, status_code=error.status)
@@ -77,6 +88,17 @@ async def generate(request: Request) -> Response:
             return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     outputs = [_output(engine, job, seq) for seq in job.seqs]
     return JSONResponse(outputs if job.returns_list else outputs[0])
+
+
+def _released(engine: CpuEngine, path: str) -> Response:
+    """A generation asked for while memory is released: SGLang would run its forward pass on freed GPU
+    memory (its /health generates one token), so this is an error in the reply and in the log, loud enough
+    for a test to catch any prober (liveness belongs on /model_info)."""
+    tags = sorted(engine.memory.released)
+    message = (f"{path} ran a generation on released memory (tags {tags}): SGLang would run a forward pass on "
+               f"freed GPU memory; resume the memory first, and probe liveness with /model_info")
+    logger.error(message)
+    return JSONResponse({"error": {"message": message}}, status_code=500)
 
 
 def _output(engine: CpuEngine, job: GenerateJob, seq: Sequence, upto: int | None = None) -> dict:

@@ -11,8 +11,8 @@ so a colocated trainer can use it, and maps it back on resume. Here:
 - `kv_cache`: this engine keeps no KV pool between batches (SGLang's pool is what
   the tag frees); releasing it makes the engine refuse generation until resumed.
 - `cuda_graph`: accepted; there are no graphs on CPU.
-While any tag is released the engine refuses to generate; while `weights` is, also to
-load or read weights (a trainer resumes `weights`, pushes, then resumes `kv_cache`).
+Generating while any tag is released is an error (see `generate_routes`); while
+`weights` is, the engine also refuses to load or read weights (a trainer resumes `weights`, pushes, then resumes `kv_cache`).
 Weights resumed undefined (NaN) stay refused for generation until updates have
 given every one of them a finite value: their log-probs would be NaN otherwise.
 """
@@ -82,11 +82,12 @@ class MemorySaver:
             self._undefined = [param for param in self._undefined if not torch.isfinite(param).all()]
 
     def generation_refusal(self) -> str | None:
-        """Why the engine cannot generate now (memory released, or weights still undefined); None when it can."""
+        """Why the engine refuses to generate on resumed memory (weights still undefined); None when it can.
+        Generating while memory is released is the HTTP layer's (louder) error."""
         if self._undefined:
             return (f"cannot generate: {len(self._undefined)} weight tensors are undefined since "
                     f"/resume_memory_occupation without --enable-weights-cpu-backup; push weights first")
-        return self.refusal("generate")
+        return None
 
     def refusal(self, action: str, *, needs: tuple[str, ...] = TAGS) -> str | None:
         """Why `action`, which needs the memory of `needs`, cannot run now; None when it can."""

@@ -177,11 +177,14 @@ class UpdateWeightsFromDiskBody(_Strict):
     token_step: int = 0
 
 
+MAX_WORLD_SIZE = 1 << 16  # ranks of one weight-update group: far beyond any cluster, far below what overflows
+
+
 class InitWeightsUpdateGroupBody(_Strict):
     master_address: Annotated[str, Field(min_length=1)]
     master_port: Annotated[int, Field(ge=1, le=65535)]
     rank_offset: Annotated[int, Field(ge=1)]
-    world_size: Annotated[int, Field(ge=2)]
+    world_size: Annotated[int, Field(ge=2, le=MAX_WORLD_SIZE)]
     group_name: str = "weight_update_group"
     backend: Literal["gloo", "nccl"] = "nccl"
 
@@ -212,6 +215,11 @@ class UpdateWeightsFromDistributedBody(_Strict):
                 f"{len(self.names)}, {len(self.dtypes)} and {len(self.shapes)}"
             )
         return self
+
+
+class CheckWeightsBody(_Strict):
+    action: str = "checksum"  # checksum, snapshot, compare, reset_tensors (SGLang's CheckWeightsReqInput)
+    allow_quant_error: bool = False  # only quantized weights compare within a tolerance; none here
 
 
 class DestroyWeightsUpdateGroupBody(_Strict):
@@ -250,18 +258,42 @@ INT64 = (-(2**63), 2**63)  # what every integer field ends up in (torch, numpy, 
 
 
 def _shape_problems(value: Any, path: str, depth: int = 0) -> list[str]:
-    """Nesting past MAX_DEPTH and integers outside 64 bits, found before any field is read."""
+    """Nesting past MAX_DEPTH, integers outside 64 bits and strings that are no Unicode text (a lone surrogate,
+    which JSON's \\ud800 escape or raw bytes can carry: no tokenizer or encoder takes it), found before any field
+    is read."""
     if depth > MAX_DEPTH:
         return [f"{path or 'body'}: nested deeper than {MAX_DEPTH} levels"]
     if isinstance(value, dict):
-        return [line for key, item in value.items() for line in _shape_problems(item, f"{path}.{key}".lstrip("."),
-                                                                                 depth + 1)]
+        problems = []
+        for key, item in value.items():
+            if _has_surrogate(key):
+                problems.append(f"{path or 'body'}: a key that is not valid Unicode text ({key!r:.40})")
+            else:
+                problems += _shape_problems(item, f"{path}.{key}".lstrip("."), depth + 1)
+        return problems
     if isinstance(value, list):
+        if value and set(map(type, value)) == {int}:
+            # A flat list of ints (token ids): checked in bulk, not item by item (millions of them).
+            if INT64[0] <= min(value) and max(value) < INT64[1]:
+                return []
         return [line for index, item in enumerate(value) for line in _shape_problems(item, f"{path}[{index}]",
                                                                                       depth + 1)]
     if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value < INT64[1]:
         return [f"{path}: integer outside the 64-bit range (got {value!r:.40})"]
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return [f"{path or 'body'}: not valid Unicode text (a lone surrogate at character {error.start})"]
     return []
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def parse_body(model: type[_Strict], payload: Any) -> Any:

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from megarl.rollout.cpu_engine.engine import CpuEngine, EngineArgs, FatalError
+from megarl.rollout.cpu_engine.generate_io import Limits
 from megarl.rollout.cpu_engine.schema import RequestError, parse_body
 from megarl.rollout.cpu_engine.update_gate import ModelUpdateGate
 
@@ -41,6 +42,12 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.engine is not None
+
+    @property
+    def limits(self) -> Limits:
+        args = self.args
+        return Limits(max_sequences=args.max_sequences, max_reply_entries=args.max_reply_entries,
+                      honour_seed=args.enable_deterministic_inference)
 
     async def weight_op(self, action: Callable[..., tuple[bool, str]], *call_args: Any, update: bool = False,
                         **call_kwargs: Any) -> JSONResponse:
@@ -80,8 +87,10 @@ def engine_of(request: Request) -> CpuEngine:
     return request.app.state.server.engine
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The decoded body, read no further than `limit` bytes (413 beyond it, before it is parsed)."""
+async def read_body(request: Request, model: type, limit: int) -> Any:
+    """The body validated as `model` (RequestError naming the field): read no further than `limit` bytes (413
+    beyond it, before it is parsed), and decoded and validated off the event loop when large, so one big
+    request never holds up /health or /model_info."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestError([f"body: {declared} bytes, more than the server's limit of {limit}"], status=413)
@@ -92,14 +101,24 @@ async def read_json(request: Request, limit: int) -> Any:
             raise RequestError([f"body: more than the server's limit of {limit} bytes"], status=413)
         chunks.append(chunk)
     raw = b"".join(chunks)
+    if len(raw) > INLINE_PARSE_BYTES:
+        return await asyncio.to_thread(_decoded, raw, model)
+    return _decoded(raw, model)
+
+
+INLINE_PARSE_BYTES = 64 << 10  # larger bodies are parsed on a worker thread
+
+
+def _decoded(raw: bytes, model: type) -> Any:
     if not raw.strip():
-        return {}
+        return parse_body(model, {})
     try:
-        return json.loads(raw)
+        payload = json.loads(raw)
     except ValueError as error:
         raise RequestError([f"body: invalid JSON: {error}"]) from None
     except RecursionError:
         raise RequestError(["body: JSON nested too deeply"]) from None
+    return parse_body(model, payload)
 
 
 def result(success: bool, message: str, *, status: int | None = None, **extra: Any) -> JSONResponse:
@@ -118,19 +137,21 @@ def die(message: str) -> JSONResponse:
 ControlHandler = Callable[[Request, Any], Awaitable[Response]]
 
 
-def control_route(router: APIRouter, path: str, model: type) -> Callable[[ControlHandler], ControlHandler]:
-    """Register `handler(request, body)` for POST `path` on `router`, its body validated as `model`."""
+def control_route(router: APIRouter, path: str, model: type, *, methods: tuple[str, ...] = ("POST",)
+                  ) -> Callable[[ControlHandler], ControlHandler]:
+    """Register `handler(request, body)` for `path` on `router` (SGLang's `methods`), its body validated as
+    `model`."""
 
     def register(handler: ControlHandler) -> ControlHandler:
         async def endpoint(request: Request) -> Response:
             try:
-                body = parse_body(model, await read_json(request, state_of(request).args.max_request_bytes))
+                body = await read_body(request, model, state_of(request).args.max_request_bytes)
             except RequestError as error:
                 return result(False, "; ".join(error.problems), status=error.status)
             return await handler(request, body)
 
         endpoint.__name__ = handler.__name__
-        router.add_api_route(path, endpoint, methods=["POST"])
+        router.add_api_route(path, endpoint, methods=list(methods))
         return handler
 
     return register

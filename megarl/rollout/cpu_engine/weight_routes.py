@@ -1,5 +1,5 @@
 """The routes that change or read the weights: update sessions, the three update paths, update groups,
-weight versions, memory release and resume.
+weight versions, memory release and resume, and the weight checker.
 
 Each blocking engine call runs on a worker thread through `ServerState.weight_op`,
 which serves weight operations one at a time as SGLang does (see `http_server`).
@@ -11,10 +11,11 @@ import asyncio
 import json
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from megarl.rollout.cpu_engine.schema import (
     BeginWeightUpdateBody,
+    CheckWeightsBody,
     DestroyWeightsUpdateGroupBody,
     EndWeightUpdateBody,
     InitWeightsUpdateGroupBody,
@@ -24,18 +25,19 @@ from megarl.rollout.cpu_engine.schema import (
     UpdateWeightsFromDistributedBody,
     UpdateWeightsFromTensorBody,
     UpdateWeightVersionBody,
+    RequestError,
 )
-from megarl.rollout.cpu_engine.serving import control_route, engine_of, result, state_of
+from megarl.rollout.cpu_engine.serving import control_route, engine_of, read_body, result, state_of
 
 router = APIRouter()
 
 
-@control_route(router, "/release_memory_occupation", ReleaseMemoryOccupationBody)
+@control_route(router, "/release_memory_occupation", ReleaseMemoryOccupationBody, methods=("GET", "POST"))
 async def release_memory_occupation(request: Request, body: ReleaseMemoryOccupationBody) -> Response:
     return await state_of(request).weight_op(engine_of(request).release_memory_occupation, body.tags)
 
 
-@control_route(router, "/resume_memory_occupation", ResumeMemoryOccupationBody)
+@control_route(router, "/resume_memory_occupation", ResumeMemoryOccupationBody, methods=("GET", "POST"))
 async def resume_memory_occupation(request: Request, body: ResumeMemoryOccupationBody) -> Response:
     return await state_of(request).weight_op(engine_of(request).resume_memory_occupation, body.tags)
 
@@ -114,11 +116,15 @@ async def update_weights_from_distributed(request: Request, body: UpdateWeightsF
     )
 
 
-@router.get("/weights_checksum")
-async def weights_checksum(request: Request) -> Response:
-    """megarl's extension (SGLang has no such endpoint): per-tensor digests of the loaded weights."""
-    success, reply = await asyncio.to_thread(engine_of(request).weights_checksum)
-    return JSONResponse(reply) if success else result(False, reply)
+@router.api_route("/weights_checker", methods=["GET", "POST"])
+async def weights_checker(request: Request) -> Response:
+    """SGLang's weight checker; GET or an empty body runs its default action, `checksum`."""
+    try:
+        body = await read_body(request, CheckWeightsBody, state_of(request).args.max_request_bytes)
+    except RequestError as error:
+        return result(False, "; ".join(error.problems), status=error.status)
+    success, message, extra = await asyncio.to_thread(engine_of(request).check_weights, body.action)
+    return result(success, message, **extra)
 
 
 @control_route(router, "/destroy_weights_update_group", DestroyWeightsUpdateGroupBody)

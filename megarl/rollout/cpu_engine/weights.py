@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from megarl.rollout.weight_wire import tensor_digest
+from megarl.rollout.weight_wire import UNCHECKED_BUFFER_PATTERNS
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +114,9 @@ def check_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> 
             problems.append(f"{name}: shape {tuple(tensor.shape)} != model shape {tuple(targets[name].shape)}")
         elif tensor.dtype != targets[name].dtype and not widens_exactly(tensor.dtype, targets[name].dtype):
             problems.append(f"{name}: dtype {tensor.dtype} != model dtype {targets[name].dtype}")
-        elif tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            # A diverged trainer's weights: loaded, every log-prob would be NaN and sampling would fail.
-            problems.append(f"{name}: holds NaN or infinite values")
+    # No scan of the values: SGLang loads what it is sent, and a pass over every received byte cost more
+    # than the copy itself. A diverged trainer is stopped where it diverges (the step checks its loss and
+    # gradient norm), and `weight_sync.verify: checksum` compares what the servers hold.
     return problems
 
 
@@ -132,10 +132,13 @@ def widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:
     return (source, target) in _EXACT_WIDENINGS
 
 
-def weight_checksums(model: PreTrainedModel) -> dict[str, str]:
-    """`tensor_digest` of every tensor `weight_views` names (tied tensors under each name)."""
-    with torch.no_grad():
-        return {name: tensor_digest(tensor) for name, tensor in weight_views(model).items()}
+def checked_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """What `/weights_checker` reads: every tensor an update may name (`weight_views`: the state dict,
+    per-expert views included), so its checksums carry the names trainers send. SGLang reads its own
+    parameters and persistent buffers, under its fused names; the state dict holds no non-persistent
+    buffer, the ones SGLang leaves out too."""
+    return {name: tensor for name, tensor in weight_views(model).items()
+            if not any(pattern in name for pattern in UNCHECKED_BUFFER_PATTERNS)}
 
 
 def apply_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> int:
@@ -162,7 +165,11 @@ def read_checkpoint(model: PreTrainedModel, model_path: str | Path) -> NamedTens
     targets = weight_views(model)
     named: NamedTensors = []
     for file in files:
-        for name, tensor in load_file(str(file)).items():
+        try:
+            loaded = load_file(str(file))
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+            raise WeightUpdateError([f"{file}: not a readable safetensors file ({error})"]) from None
+        for name, tensor in loaded.items():
             target = targets.get(name)
             if target is not None and tensor.is_floating_point() and target.is_floating_point():
                 tensor = tensor.to(target.dtype)

@@ -1,0 +1,1 @@
+"""The built-in environments (registered by `megarl.agent.environments`)."""
