@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting one")
     warmup.set_defaults(run=_cmd_warmup)
 
-    export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl checkpoint")
+    export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl "
+                              "checkpoint, or a LoRA checkpoint's PEFT adapter")
     export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")
     output = export.add_mutually_exclusive_group(required=True)
     output.add_argument("--hf", type=Path, help="output directory for the HF checkpoint")

@@ -58,6 +58,8 @@ def frozen_base_facts(engine) -> dict:
         "grad_buffer_numel": sum(b.numel for b in buffers),
         "adapter_numel": sum(p.numel() for c in lora.containers(engine.model.chunks) for p in c.parameters()),
         "optimizer_state_params": sum(len(inner.state) for inner in engine.train.torch_optimizers()),
+        "weight_bytes": sum(p.numel() * p.element_size() for chunk in engine.model.chunks for p in chunk.parameters()),
+        "train_state_bytes": engine.train_state_bytes(),
     }
 
 
@@ -207,3 +209,36 @@ def lora_checkpoint_outputs(*, rank: int, checkpoint: str, settings, batch: dict
                        refusal(lambda: wider.load_checkpoint(ckpt_dir, load_optimizer=True)),
                        refusal(lambda: frozen.load_policy_checkpoint(ckpt_dir))]
     return out
+
+
+def lora_sync_pushes(*, rank: int, checkpoint: str, settings, versions: dict, api_key: str,
+                     disk_dir: str, prompts: list[list[int]], steps: int) -> dict:
+    """A TP2 LoRA actor behind its `MegatronWorker` pushes each version's adapters (`versions`: version -> (full
+    adapters, {server: (url, weight_sync.lora, transport)})) as the controller does. After each version, rank 0
+    asks every server for greedy continuations of `prompts` (naming the version's adapter where the sync was
+    adapter-only). Returns rank 0's sync metrics and outputs per (version, server)."""
+    from megarl.cluster.engine_worker import MegatronWorker
+    from megarl.config.settings import WeightSyncSettings
+    from megarl.engines import lora
+    from megarl.rollout.client import RolloutClient
+    from megarl.rollout.weight_wire import lora_adapter_name
+
+    worker = MegatronWorker(rank=rank, world_size=2)
+    worker.engine = lora_engine(checkpoint, settings)
+    metrics, outputs = {}, {}
+    for version, (adapters, targets) in versions.items():
+        lora.load_full_adapters(worker.engine.model, adapters)
+        for server, (url, sync, transport) in targets.items():
+            sync_settings = WeightSyncSettings(transport=transport, bucket_bytes=50_000, verify="none", timeout_s=60,
+                                               disk_dir=disk_dir, lora=sync)
+            metrics[(version, server)] = worker.push_weights(urls=[url], api_key=api_key, version=version,
+                                                             settings=sync_settings)
+            if rank == 0:
+                body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": steps, "temperature": 0.0},
+                        "return_logprob": True}
+                if sync == "adapter":
+                    body["lora_path"] = lora_adapter_name(version)
+                with RolloutClient([url], api_key=api_key, timeout_s=60) as client:
+                    outputs[(version, server)] = client.run(client.request(url, "POST", "/generate", body))
+    worker.close_weight_sync()
+    return {"metrics": metrics, "outputs": outputs}

@@ -214,9 +214,23 @@ def test_weights_only_saves_and_loads_without_optimizer_state(tmp_path):
     assert json.loads((checkpoint.path / "actor" / "metadata.json").read_text())["weights_only"] is True
 
     calls = []
-    recording = SimpleNamespace(run=lambda method, path, **kwargs: calls.append((method.__name__, Path(path).name,
-                                                                                   kwargs)))
-    load_step(SimpleNamespace(actor=SimpleNamespace(group=recording), critic=None,
-                              reference=SimpleNamespace(group=recording)), checkpoint)
+
+    def recording():  # a group of its own per role (a reference on the actor's group is a LoRA actor's base)
+        return SimpleNamespace(run=lambda method, path, **kwargs: calls.append((method.__name__, Path(path).name,
+                                                                                  kwargs)))
+
+    load_step(SimpleNamespace(actor=SimpleNamespace(group=recording()), critic=None,
+                              reference=SimpleNamespace(group=recording())), checkpoint)
     assert calls == [("load_checkpoint", "actor", {"load_optimizer": False}),
                      ("load_checkpoint", "reference", {"load_optimizer": False})]
+
+
+def test_a_lora_actors_reference_is_neither_saved_nor_loaded(tmp_path):
+    """With LoRA the reference is the actor's group with its adapters off: nothing of its own to checkpoint."""
+    recipe, run_dir = _recipe(tmp_path), tmp_path / "run"
+    actor = SimpleNamespace(group=FileWritingGroup("actor"))
+    roles = SimpleNamespace(actor=actor, critic=None, reference=SimpleNamespace(group=actor.group))
+    checkpoint = save_step(roles, run_dir, step=1, controller_state={"step": 1}, recipe_text=dump_recipe(recipe),
+                           keep_last=0, weights_only=False)
+    assert json.loads((checkpoint.path / MARKER).read_text())["roles"] == ["actor"]
+    assert actor.group.saves == 1 and not (checkpoint.path / "reference").exists()

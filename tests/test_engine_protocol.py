@@ -20,8 +20,8 @@ MEMBERS = sorted(name for name, value in vars(TrainEngine).items()
 
 def test_the_protocol_covers_the_engine_phases():
     assert MEMBERS == sorted([
-        "compute_log_prob", "compute_values", "compute_scores", "update", "sft_step", "weight_shards", "hf_state_dict",
-        "load_hf_state_dict", "save_checkpoint", "load_checkpoint", "load_policy_checkpoint",
+        "compute_log_prob", "compute_values", "compute_scores", "update", "sft_step", "weight_shards",
+        "adapter_shards", "hf_state_dict", "load_hf_state_dict", "train_state_bytes", "save_checkpoint", "load_checkpoint", "load_policy_checkpoint",
         "reset_optimizer_state", "offload", "onload",
     ])
 

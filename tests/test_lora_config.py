@@ -91,3 +91,20 @@ def test_bad_lora_values_name_the_key(capsys, override, line):
     code, *errors = _validate(capsys, [*LORA, override])
     assert code == 2
     assert any(error.startswith("error: ") and error.endswith(line) for error in errors), errors
+
+
+def test_the_lora_quickstart_validates_and_explains_its_reference(capsys):
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-lora-cpu.yaml"
+    assert main(["validate", str(recipe), "--offline"]) == 0
+    out = capsys.readouterr().out
+    assert "#   reference  no engine of its own (the actor with its LoRA adapters switched off)" in out
+    loaded = load_recipe(recipe)
+    grpo = load_recipe(QUICKSTART)
+    # The GRPO quickstart's settings, but for LoRA, its learning rate, the KL loss, the sync and the warm-up.
+    differ = {"name", "model", "actor", "weight_sync", "sft_warmup"}
+    assert {k: v for k, v in loaded.model_dump().items() if k not in differ} == \
+        {k: v for k, v in grpo.model_dump().items() if k not in differ}
+    same_actor = {k: v for k, v in loaded.actor.model_dump().items()
+                  if k not in ("lora", "optim", "use_kl_loss", "kl_loss_coef")}
+    assert same_actor == {k: v for k, v in grpo.actor.model_dump().items() if k in same_actor}
+    assert loaded.actor.optim.lr == 4 * grpo.actor.optim.lr

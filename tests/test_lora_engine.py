@@ -173,6 +173,8 @@ def test_base_is_frozen_without_gradients_or_optimizer_state(job, layout):
         assert facts["optimizer_is_adapters"]
         assert facts["optimizer_state_params"] <= facts["adapter_numel"]  # Adam's moments: adapters only
         assert facts["grad_buffer_numel"] == facts["adapter_numel"]
+        # The training state a rank keeps: every weight, and a gradient and two Adam moments (fp32) per adapter value.
+        assert facts["train_state_bytes"] == facts["weight_bytes"] + 12 * facts["adapter_numel"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -34,7 +34,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
@@ -109,8 +109,15 @@ def mount(source: str, target: str, fstype: str | None, flags: int, data: str | 
 
 
 def die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (a killed worker takes its call with it)."""
+    """SIGKILL this process when its parent dies (a killed worker takes its call with it). The kernel forgets
+    this on a change of uid or gid, so it is set after any."""
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def adopt_orphans() -> None:
+    """Make this process the parent of every process its descendants orphan (a child subreaper), so that what a
+    call leaves behind can be found and waited for here rather than by the system's init."""
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 def enter_namespaces(isolation: Isolation) -> None:
@@ -148,7 +155,6 @@ def apply_mounts(isolation: Isolation, hidden: list[str]) -> None:
 
 def confine(isolation: Isolation, *, scratch: str, hidden: list[str], limits: Limits) -> None:
     """In the process that runs the tool: hide paths, enter the scratch dir, set rlimits, drop privileges."""
-    die_with_parent()
     apply_mounts(isolation, hidden)
     if isolation.drop_to:
         os.chown(scratch, *isolation.drop_to)
@@ -166,6 +172,7 @@ def confine(isolation: Isolation, *, scratch: str, hidden: list[str], limits: Li
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
+    die_with_parent()  # after the uid change, which would clear it
     _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     os.environ.clear()
     os.environ.update({"HOME": scratch, "TMPDIR": scratch, "PATH": "/usr/local/bin:/usr/bin:/bin",

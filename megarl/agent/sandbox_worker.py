@@ -10,7 +10,9 @@ process that runs the tool (PID 1 of the new PID namespace), which hides the run
 sets the rlimits, drops privileges (`isolation.confine`) and calls the tool with its stdout
 and stderr on a pipe and its result on another. This worker reads both pipes with a cap on
 the bytes, and kills the call's process group when the wall clock runs out or the output
-grows past the cap; the scratch directory is removed after every call. The answer's `kind`
+grows past the cap. Before it answers, it kills and waits for every process the call left
+(it adopts them as a child subreaper), so a call's processes never outlive its answer; the
+scratch directory is removed after every call. The answer's `kind`
 says how the call ended: ok, error (the tool raised), memory, timeout (wall clock or CPU
 time), output (too much), crashed (killed by a signal or gone without a result).
 """
@@ -28,7 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-from megarl.agent.isolation import Isolation, Limits, confine, enter_namespaces, probe
+from megarl.agent.isolation import Isolation, Limits, adopt_orphans, confine, enter_namespaces, probe
 
 # Imported before any call: a call that runs as `nobody` may not be able to read the interpreter's own files
 # (an interpreter installed under /root), but modules already loaded here are inherited by every fork.
@@ -180,6 +182,40 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def _reap_leftovers() -> None:
+    """Kill and wait for every process the call left running. They are all children of this worker by now: it
+    adopts orphans (`isolation.adopt_orphans`), and the call's first process is reaped. With a PID namespace the
+    one left is the namespace's PID 1, whose exit the kernel completes only once every process in the namespace
+    is gone; waiting for it here, before the answer, means no process of the call outlives the call (the system's
+    init, which would otherwise inherit it, may reap it late or never)."""
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0]:
+                continue
+        except ChildProcessError:
+            return
+        for child in _children():  # not yet reaped, so the pid cannot have been reused
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.waitpid(-1, 0)
+
+
+def _children() -> list[int]:
+    me, found = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+            except OSError:
+                continue
+            if int(fields[1]) == me:
+                found.append(int(entry.name))
+    return found
+
+
 def _answer(status: int, cut: str | None, output: bytes, result: bytes, limits: Limits) -> dict:
     text = output.decode(errors="replace")
     if cut == "output":
@@ -212,6 +248,7 @@ def main(argv: list[str]) -> None:
     tools = _load_tools(config["tools"])
     for module in PRELOADED:
         importlib.import_module(module)
+    adopt_orphans()
     isolation = probe(hidden)
     out = sys.stdout
     out.write(json.dumps({"ready": True, "isolation": isolation.to_json()}) + "\n")
@@ -220,6 +257,7 @@ def main(argv: list[str]) -> None:
         request = json.loads(line)
         answer = run_call(request, tools=tools, isolation=isolation, limits=limits,
                           scratch_root=config["scratch_root"], hidden=hidden)
+        _reap_leftovers()  # here, not in run_call: it waits for every child of the process, as only a worker may
         out.write(json.dumps({"id": request["id"], **answer}) + "\n")
         out.flush()
 

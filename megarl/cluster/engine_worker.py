@@ -45,6 +45,7 @@ class MegatronWorker:
             _redirect_output(log_path)
         self.engine = None  # a TrainEngine once init_engine ran
         self._weight_sync = None
+        self._adapter_sync = None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     def master_endpoint(self) -> tuple[str, int]:
@@ -70,7 +71,7 @@ class MegatronWorker:
         if settings.kind == "policy":
             from megarl.engines.actor import PolicyEngine
 
-            self.engine = PolicyEngine(**common)
+            self.engine = PolicyEngine(**common, lora_settings=settings.lora)
         elif settings.kind == "value":
             from megarl.engines.critic import ValueEngine
 
@@ -90,9 +91,10 @@ class MegatronWorker:
         return result if self.parallel_layout()["is_output"] else None
 
     def compute_log_prob(self, shard: Batch, *, key: str, temperature: float, with_entropy: bool,
-                         batching: Batching) -> Batch | None:
+                         batching: Batching, adapters: bool = True) -> Batch | None:
+        """Log-probs (and entropy) of this rank's rows under `key`; `adapters=False`: a LoRA policy's base model."""
         log_probs, entropy = self.engine.compute_log_prob(shard, temperature=temperature, with_entropy=with_entropy,
-                                                          batching=batching)
+                                                          batching=batching, adapters=adapters)
         out = {key: log_probs, **({"entropy": entropy} if with_entropy else {})}
         return self._output(Batch.from_dict(out))
 
@@ -136,6 +138,10 @@ class MegatronWorker:
             return torch.cuda.max_memory_allocated() / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
+    def train_state_gb(self) -> float:
+        """The weights, gradient buffers and optimizer state this rank's engine holds while it trains."""
+        return self.engine.train_state_bytes() / 2**30
+
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
                      devices: list[list[str]] | None = None) -> dict[str, float] | None:
         """Load this policy's weights into every server in `urls` under `version`; metrics on rank 0, else None.
@@ -147,12 +153,19 @@ class MegatronWorker:
         from megarl.engines.distributed import parallel_layout
         from megarl.weightsync.engine_sync import EngineWeightSync
         from megarl.weightsync.groups import RankCoords
+        from megarl.weightsync.lora_sync import AdapterSync
 
+        coords = RankCoords.from_layout(parallel_layout())
+        adapters = self.engine.adapter_shards() if settings.lora == "adapter" else None
+        if adapters is not None:  # a LoRA policy's adapters alone (`weight_sync.lora: adapter`)
+            if self._adapter_sync is None:
+                self._adapter_sync = AdapterSync()
+            return self._adapter_sync.push(adapters, coords=coords, urls=urls, api_key=api_key, version=version,
+                                           settings=settings)
         if self._weight_sync is None:
             self._weight_sync = EngineWeightSync()
-        return self._weight_sync.push(self.engine.weight_shards(), coords=RankCoords.from_layout(parallel_layout()),
-                                      urls=urls, api_key=api_key, version=version, settings=settings,
-                                      server_devices=devices)
+        return self._weight_sync.push(self.engine.weight_shards(), coords=coords, urls=urls, api_key=api_key,
+                                      version=version, settings=settings, server_devices=devices)
 
     def close_weight_sync(self) -> None:
         """Leave the servers' weight-update groups and close the sync clients (before the servers stop)."""

@@ -37,6 +37,9 @@ def start_fleet(settings: FleetSettings, *, pool: ResourcePool, weights: Path | 
         mem_fraction=settings.mem_fraction,
         sglang_args=dict(settings.sglang_args),
         enable_memory_saver=settings.enable_memory_saver,
+        enable_weights_cpu_backup=settings.enable_weights_cpu_backup,
+        lora_max_rank=settings.lora_max_rank,
+        lora_target_modules=settings.lora_target_modules,
         deterministic=settings.deterministic,
         max_sequences=settings.max_sequences,
     )
@@ -51,6 +54,7 @@ def start_fleet(settings: FleetSettings, *, pool: ResourcePool, weights: Path | 
         use_ray=True,
         startup_timeout_s=settings.startup_timeout_s,
         placements=host_placements(pool, num_servers=settings.num_servers, tp=settings.tp),
+        lora_adapters=settings.lora_max_rank is not None,
     )
 
 

@@ -11,8 +11,11 @@ imitates it). One step, with `placement.offload` on a colocated placement:
     after_sync: the actor offloads its weights, the fleet resumes its kv_cache.
 
 In a step that does not update the actor (critic warm-up) the fleet keeps its weights,
-since nothing would sync them back. The step loop times each direction as
-`timing_s/onload` and `timing_s/offload`. Without the cycle every call is a no-op.
+since nothing would sync them back. A LoRA actor's sync moves only what its adapters change
+(merged adapted linears, or the adapters alone): its fleet runs with a host copy of its
+weights (`--enable-weights-cpu-backup`), so the released frozen base comes back from there.
+The step loop times each direction as `timing_s/onload` and `timing_s/offload`. Without the
+cycle every call is a no-op.
 
 Start-up: SGLang sizes its KV cache from the device memory free when it starts (the
 memory left after its weights, less `(1 - mem_fraction) x` the device's total:
@@ -94,5 +97,10 @@ class MemoryCycle:
 
 def peak_memory_metrics(groups: dict[str, WorkerGroup]) -> dict[str, float]:
     """`perf/max_memory_gb/<role>`: the largest peak of any rank of each role (device memory on GPUs, the
-    process's resident memory on CPU)."""
-    return {f"perf/max_memory_gb/{role}": max(group.run(MegatronWorker.peak_memory_gb)) for role, group in groups.items()}
+    process's resident memory on CPU); `perf/train_state_gb/<role>`: the largest training state of a rank
+    (weights, gradient buffers, optimizer state), what a role keeps whatever the runtime around it weighs."""
+    metrics = {}
+    for role, group in groups.items():
+        metrics[f"perf/max_memory_gb/{role}"] = max(group.run(MegatronWorker.peak_memory_gb))
+        metrics[f"perf/train_state_gb/{role}"] = max(group.run(MegatronWorker.train_state_gb))
+    return metrics

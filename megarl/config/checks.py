@@ -143,6 +143,24 @@ def _check_gpu_placement(recipe: Recipe) -> list[Problem]:
     return problems
 
 
+def _check_async(recipe: Recipe) -> list[Problem]:
+    """`rollout.async` overlaps generation with training, so it needs devices of its own for each."""
+    settings, problems = recipe.rollout.async_, []
+    if settings is None:
+        return problems
+    if recipe.placement.colocate:
+        problems.append(_problem("rollout.async", "needs disaggregated placement: set placement.colocate: false "
+                                 "(colocated roles take turns on the same devices, there is nothing to overlap)",
+                                 "placement.colocate: true", verbatim=True))
+    if recipe.rollout.multi_turn is not None:
+        problems.append(_problem("rollout.async", "is not supported with rollout.multi_turn yet", "both set",
+                                 verbatim=True))
+    if settings.in_flight_updates and settings.partial_rollouts:
+        problems.append(_problem("rollout.async.partial_rollouts", "only used without in_flight_updates (paused "
+                                 "requests continue in place, nothing is re-sent)", True))
+    return problems
+
+
 def _check_training_role(recipe: Recipe, role: str, shape: dict[str, int] | None) -> list[Problem]:
     if role_pool(recipe.placement, role) is None:
         return []  # already reported by _check_placement
@@ -496,6 +514,7 @@ def check_recipe(recipe: Recipe) -> list[Problem]:
         shapes["reward_model"], rm_problems = _load_shape(partial(_reward_model_config, recipe), "reward_model.path")
         problems += rm_problems
     problems += _check_placement(recipe)
+    problems += _check_async(recipe)
     for role in active_roles(recipe):
         if role in TRAINING_ROLES:
             problems += _check_training_role(recipe, role, shapes.get(role, shape))

@@ -20,7 +20,7 @@ from megarl.config.layout import (
     resolve_layout,
 )
 from megarl.config.loader import BASE_KEY
-from megarl.config.overrides import unwrap
+from megarl.config.overrides import recipe_keys, unwrap
 from megarl.config.schema import Recipe
 from megarl.config.yamlio import dump_yaml
 
@@ -30,6 +30,8 @@ OPTIONAL_ROLES = ("reward_model", "judge")
 def _unused_reason(recipe: Recipe, role: str) -> str:
     if role == "critic":
         return f"not used (adv_estimator {recipe.algorithm.adv_estimator!r} needs no critic)"
+    if recipe.actor.lora is not None and (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss):
+        return "no engine of its own (the actor with its LoRA adapters switched off)"
     return "not used (algorithm.use_kl_in_reward and actor.use_kl_loss are both false)"
 
 
@@ -76,11 +78,11 @@ def default_of(key: str) -> tuple[bool, Any]:
     section: Any = Recipe
     *parents, leaf = key.split(".")
     for name in parents:
-        field = section.model_fields.get(name)
+        field = recipe_keys(section).get(name)
         section = unwrap(field.annotation) if field is not None else None
         if not (isinstance(section, type) and issubclass(section, BaseModel)):
             return False, None
-    field = section.model_fields.get(leaf)
+    field = recipe_keys(section).get(leaf)
     if field is None or field.is_required():
         return False, None
     return True, TypeAdapter(field.annotation).dump_python(field.get_default(call_default_factory=True), mode="json")

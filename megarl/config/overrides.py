@@ -46,6 +46,11 @@ def unwrap(annotation: Any) -> Any:
             return annotation
 
 
+def recipe_keys(model: type[BaseModel]) -> dict[str, Any]:
+    """A section's fields by the key a recipe writes (the alias where one is set: `rollout.async`)."""
+    return {field.alias or name: field for name, field in model.model_fields.items()}
+
+
 def key_path_problem(model: type[BaseModel], path: tuple[str, ...]) -> str | None:
     """Why `path` names no recipe key, or None when it does."""
     annotation: Any = model
@@ -53,7 +58,7 @@ def key_path_problem(model: type[BaseModel], path: tuple[str, ...]) -> str | Non
         annotation = unwrap(annotation)
         here = ".".join(path[:depth]) or "the recipe"
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            fields = annotation.model_fields
+            fields = recipe_keys(annotation)
             if segment not in fields:
                 close = difflib.get_close_matches(segment, list(fields), n=1)
                 if close:

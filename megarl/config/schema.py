@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, field_validator
 
+from megarl.config.async_rollout import ALIAS_CONFIG, ASYNC_FIELD, AsyncRolloutConfig
 from megarl.config.multi_turn import MultiTurnConfig
 from megarl.config.reward import RewardConfig, RewardModelConfig
 from megarl.config.training import (
@@ -137,6 +138,8 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
+    model_config = Section.model_config | ALIAS_CONFIG
+
     backend: Literal["cpu", "sglang"] = Field("sglang", description="SGLang servers, or megarl's CPU engine")
     n: PositiveInt = Field(1, description="responses sampled per prompt")
     temperature: Temperature = Field(
@@ -185,6 +188,7 @@ class RolloutConfig(Section):
         None, description="episodes of several turns with tools and an environment, rewarded by the environment; "
         "null = one response per prompt"
     )
+    async_: AsyncRolloutConfig | None = ASYNC_FIELD
 
     @field_validator("top_k")
     @classmethod

@@ -21,6 +21,7 @@ from typing import Any
 
 from megarl.config.layout import training_layout
 from megarl.config.schema import Recipe
+from megarl.config.training import LORA_HF_LINEARS
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class FleetSettings:
     mem_fraction: float
     sglang_args: dict[str, Any]
     enable_memory_saver: bool
+    enable_weights_cpu_backup: bool  # released weights come back from a host copy (a LoRA policy's frozen base)
     max_concurrency: int
     routing: str
     router_policy: str
@@ -193,6 +195,10 @@ class FleetSettings:
     startup_timeout_s: float
     model_path: str | None
     tokenizer_path: str | None
+    # With the adapter-only LoRA sync: the servers serve LoRA adapters of at most this rank on these HF modules,
+    # and every generation names the current version's adapter (None / (): no LoRA serving).
+    lora_max_rank: int | None
+    lora_target_modules: tuple[str, ...]
     deterministic: bool = False
     max_sequences: int | None = None
 
@@ -209,6 +215,7 @@ class EngineSettings:
     params_dtype: str
     transformer_impl: str
     optimizer: OptimizerSettings | None
+    lora: LoraSettings | None  # a policy of LoRA adapters on a frozen base (the actor with `actor.lora`)
 
 
 @dataclass(frozen=True)
@@ -457,11 +464,24 @@ def rollout_fleet_settings(recipe: Recipe) -> FleetSettings:
         backend=rollout.backend, num_servers=rollout.num_servers, tp=rollout.tp, bind=rollout.host,
         port=rollout.port, threads=rollout.engine_threads, mem_fraction=rollout.mem_fraction,
         sglang_args=dict(rollout.sglang), enable_memory_saver=sleeps_between_phases(recipe),
+        # A LoRA sync moves only what the adapters change: the servers keep the frozen rest in host memory while
+        # they release their weights for the trainer.
+        enable_weights_cpu_backup=sleeps_between_phases(recipe) and recipe.actor.lora is not None,
         max_concurrency=rollout.max_concurrency, routing=rollout.routing, router_policy=rollout.router_policy,
         seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s, model_path=None, tokenizer_path=None,
+        **_lora_serving(recipe),
         # One request carries one prompt's group of samples: a larger one is no request of this run's.
         deterministic=rollout.deterministic, max_sequences=rollout.n,
     )
+
+
+def _lora_serving(recipe: Recipe) -> dict[str, Any]:
+    """The policy fleet's LoRA serving: on with the adapter-only sync, sized by the adapters' rank and targets."""
+    lora = recipe.actor.lora
+    if lora is None or recipe.weight_sync.lora != "adapter":
+        return {"lora_max_rank": None, "lora_target_modules": ()}
+    modules = sorted(linear for target in lora.target_modules for linear in LORA_HF_LINEARS[target])
+    return {"lora_max_rank": lora.rank, "lora_target_modules": tuple(modules)}
 
 
 def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
@@ -474,7 +494,8 @@ def judge_fleet_settings(recipe: Recipe) -> FleetSettings:
         enable_memory_saver=False, max_concurrency=judge.max_concurrency, routing="client",
         router_policy=rollout.router_policy, seed=recipe.seed, startup_timeout_s=rollout.startup_timeout_s,
         model_path=judge.model_path, tokenizer_path=judge.tokenizer or judge.model_path,
-        deterministic=rollout.deterministic,
+        deterministic=rollout.deterministic, enable_weights_cpu_backup=False, lora_max_rank=None,
+        lora_target_modules=(),
     )
 
 
@@ -496,10 +517,12 @@ def engine_settings(recipe: Recipe, role: str, *, train_pairs: int | None = None
         dtype = recipe.reward_model.dtype or dtype
     return EngineSettings(kind=_ENGINE_KINDS[role], parallel=getattr(recipe, role).parallel.model_dump(),
                           seed=recipe.seed, params_dtype=dtype, transformer_impl=recipe.model.transformer_impl,
-                          optimizer=optimizer)
+                          optimizer=optimizer, lora=lora_settings(recipe) if role == "actor" else None)
 
 
 def warmup_engine_settings(recipe: Recipe, *, layout_of: str) -> EngineSettings:
     """The SFT warm-up's engine: the actor's (policy kind, model dtype, optimizer) on the layout of role
     `layout_of` (the actor's in `megarl train` and `megarl warmup`, the reward model's for its backbone)."""
-    return replace(engine_settings(recipe, "actor"), parallel=getattr(recipe, layout_of).parallel.model_dump())
+    # The warm-up trains the whole model: a LoRA run starts from its output (model.path), never from inside it.
+    return replace(engine_settings(recipe, "actor"), parallel=getattr(recipe, layout_of).parallel.model_dump(),
+                   lora=None)

@@ -176,6 +176,9 @@ class Optim(Section):
 
 LoraTarget = Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA_TARGETS = get_args(LoraTarget)
+# The HF linears each Megatron target stands for, in the order the fused weight stacks them.
+LORA_HF_LINEARS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+                   "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
 
 
 class LoraConfig(Section):

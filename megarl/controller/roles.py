@@ -33,12 +33,14 @@ CRITIC_UPDATE_KEYS = INPUT_KEYS + ("response_mask", "values", "returns")
 
 class PolicyRole:
     """A Megatron policy behind its worker group: the trainable actor (with `update` settings) or the frozen
-    reference (without)."""
+    reference (without); `adapters=False` makes a LoRA actor's group the reference (its base model)."""
 
-    def __init__(self, group: WorkerGroup, *, batching: Batching, update: PolicyUpdateSettings | None = None):
+    def __init__(self, group: WorkerGroup, *, batching: Batching, update: PolicyUpdateSettings | None = None,
+                 adapters: bool = True):
         self.group = group
         self.batching = batching
         self.update_settings = update
+        self.adapters = adapters
 
     @property
     def dp_size(self) -> int:
@@ -46,7 +48,8 @@ class PolicyRole:
 
     def _log_probs(self, batch: Batch, *, key: str, temperature: float, with_entropy: bool) -> Batch:
         shards = self.group.dispatch_dp(MegatronWorker.compute_log_prob, batch.select(list(INPUT_KEYS)), key=key,
-                                        temperature=temperature, with_entropy=with_entropy, batching=self.batching)
+                                        temperature=temperature, with_entropy=with_entropy, batching=self.batching,
+                                        adapters=self.adapters)
         return Batch.concat(shards)
 
     def compute_log_prob(self, batch: Batch, *, temperature: float) -> tuple[Batch, dict[str, float]]:
@@ -148,10 +151,17 @@ class Roles:
         # Through the fleet: it records the version and re-syncs servers it restarts (weight source set in run.py).
         return self.rollout.sync_weights(version=version)
 
+    @property
+    def reference_engine(self) -> PolicyRole | None:
+        """The reference when it runs an engine of its own (not a LoRA actor with its adapters off)."""
+        if self.reference is None or self.reference.group is self.actor.group:
+            return None
+        return self.reference
+
     def peak_memory(self) -> dict[str, float]:
         """`perf/max_memory_gb/<role>` of every role that reports one."""
         groups = {"actor": self.actor.group}
-        groups |= {"reference": self.reference.group} if self.reference is not None else {}
+        groups |= {"reference": self.reference_engine.group} if self.reference_engine is not None else {}
         groups |= {"critic": self.critic.group} if self.critic is not None else {}
         metrics = peak_memory_metrics(groups)
         rollout = self.rollout.peak_memory_gb()

@@ -74,8 +74,10 @@ class _Engines:
     critic: CriticRole | None
 
     def idle_groups(self) -> list[WorkerGroup]:
-        """The groups that sleep through generation and the weight sync (all but the actor's)."""
-        return [role.group for role in (self.reference, self.critic) if role is not None]
+        """The groups that sleep through generation and the weight sync (all but the actor's: a LoRA actor's
+        reference runs on it)."""
+        return [role.group for role in (self.reference, self.critic)
+                if role is not None and role.group is not self.actor.group]
 
 
 def _start_engines(recipe: Recipe, *, pools, weights: Path, sampling: SamplingSettings, log_dir: Path,
@@ -89,6 +91,9 @@ def _start_engines(recipe: Recipe, *, pools, weights: Path, sampling: SamplingSe
     actor = PolicyRole(actor_group, batching=logprob_batching(recipe),
                        update=policy_update_settings(recipe, sampling=sampling))
     reference = None
+    if recipe.actor.lora is not None and (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss):
+        # No reference engine: the reference policy is the actor's frozen base, its adapters switched off.
+        reference = PolicyRole(actor_group, batching=logprob_batching(recipe), adapters=False)
     if "reference" in pools:
         ref_group = _engine_group(recipe, "reference", pools["reference"], hf_config=hf_config, weights=weights,
                                   log_dir=log_dir)
@@ -115,7 +120,8 @@ def _hand_off_sft(recipe: Recipe, engines: _Engines, *, data, run_dir: Path, tra
     run_sft_warmup(engines.actor, data, recipe, tracker, stop_requested=lambda: preemption.requested)
     if preemption.requested:
         raise Preempted(None, None)
-    followers = [engines.reference.group] if engines.reference is not None else []
+    reference = engines.reference
+    followers = [reference.group] if reference is not None and reference.group is not engines.actor.group else []
     if engines.critic is not None and not recipe.critic.model_path:
         followers.append(engines.critic.group)
     if followers:

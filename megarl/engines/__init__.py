@@ -7,7 +7,8 @@ saves/loads distributed checkpoints at any layout and `export` turns one into an
 checkpoint, `offload` moves an engine's device memory to the host and back, `logprobs`
 computes token log-probs/entropy from vocab-parallel logits, `packing` + `schedule`
 build (packed) micro-batches and run megatron's pipeline schedule over them, `optim`
-holds optimizer + LR schedule, `actor.PolicyEngine` is the actor/reference and
+holds optimizer + LR schedule, `lora` puts tensor-parallel LoRA adapters on a frozen policy
+(`lora_export` writes them as a PEFT adapter or merged), `actor.PolicyEngine` is the actor/reference and
 `critic.ValueEngine` the critic, both on `engine_base.MegatronEngine` (micro-batching,
 forward passes over rows, epochs of mini-batches, checkpoints).
 On a CPU-only machine `cpu_compat` makes megatron run there; importing this package

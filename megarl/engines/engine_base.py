@@ -17,13 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from megatron.core import parallel_state
 
 from megarl.config.settings import Batching, LoraSettings, OptimizerSettings
 from megarl.engines import checkpoint, cpu_compat, gpt, hf_weights, lora, offload
 from megarl.engines.gpt import GPTModelChunks
 from megarl.engines.losses import dp_sum
 from megarl.engines.optim import TrainState, build_train_state
-from megarl.engines.protocol import Rows, WeightShards
+from megarl.engines.protocol import AdapterShards, Rows, WeightShards
+from megarl.models.lora import adapted_modules
 from megarl.engines.schedule import (
     MicroBatches,
     broadcast_from_last_stage,
@@ -104,7 +106,8 @@ class MegatronEngine:
     def _kind(self) -> str:
         return "trainable" if self.train is not None else "frozen"
 
-    def compute_log_prob(self, rows: Rows, *, temperature: float, with_entropy: bool, batching: Batching):
+    def compute_log_prob(self, rows: Rows, *, temperature: float, with_entropy: bool, batching: Batching,
+                         adapters: bool = True):
         self._unsupported("log-probs")
 
     def compute_values(self, rows: Rows, *, batching: Batching) -> Tensor:
@@ -205,7 +208,17 @@ class MegatronEngine:
             for chunk_index, chunk in enumerate(self.model.chunks)
             for name, tensor in self._weights_of(chunk).items()
         }
-        return WeightShards(shards, len(self.model.chunks), self.model.arch, self.model.padded_vocab)
+        only = None
+        if self.lora_settings is not None:  # the frozen weights stay as the servers loaded them
+            adapted = adapted_modules(self.model.arch, self.lora_settings.targets)
+            only = frozenset(f"{module}.weight" for module in adapted)
+        return WeightShards(shards, len(self.model.chunks), self.model.arch, self.model.padded_vocab, only)
+
+    def adapter_shards(self) -> AdapterShards | None:
+        if self.lora_settings is None:
+            return None
+        return AdapterShards(lora.adapter_shards(self.model), parallel_state.get_tensor_model_parallel_rank(),
+                             self.model.arch, self.lora_settings)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """Full HF-named float32 CPU weights on every rank (collective over TP and PP), LoRA adapters merged. For
@@ -265,6 +278,16 @@ class MegatronEngine:
         if self.train is not None:
             # A bf16 model trains fp32 main copies inside the optimizer: refresh them too.
             self.train.optimizer.reload_model_params()
+
+    def train_state_bytes(self) -> int:
+        """The bytes of this rank's weights plus, per trainable parameter, its fp32 gradient, Adam's two fp32
+        moments and (for a bf16 / fp16 model) its fp32 main copy: the state a training step keeps."""
+        params = {id(p): p for chunk in self.model.chunks for p in chunk.parameters()}.values()
+        total = sum(p.numel() * p.element_size() for p in params)
+        if self.train is not None:
+            per_element = 4 + 8 + (4 if self.model.config.params_dtype != torch.float32 else 0)
+            total += sum(p.numel() * per_element for p in params if p.requires_grad)
+        return total
 
     def reset_optimizer_state(self) -> None:
         self._require_trainable().reset_state()

@@ -97,7 +97,8 @@ class LoraAdapter(torch.nn.Module):
             h = copy_to_tensor_model_parallel_region(h, group=self.group)
         else:
             h = reduce_from_tensor_model_parallel_region(h, group=self.group)
-        return F.linear(h, self.lora_B) * self.scale
+        # The scale goes into B (r columns), not onto the output: one output-sized tensor fewer per linear.
+        return F.linear(h, self.lora_B * self.scale)
 
     def merged_delta(self) -> Tensor:
         """scale * B A of this rank's shards: the change merging makes to the linear's local weight shard."""
@@ -154,11 +155,17 @@ class LoraAdapters(torch.nn.Module):
 
 
 def _add_adapter(container: LoraAdapters, adapter: LoraAdapter, module, args, output):
-    """Forward hook of an adapted linear: its (output, bias) with the adapter's addition."""
+    """Forward hook of an adapted linear: its (output, bias) with the adapter's addition.
+
+    A column-parallel linear's output (the widest: fc1's is 2x the MLP width) takes it in place, as the
+    linear's backward does not read its output and a second output-sized tensor would raise the peak memory;
+    a row-parallel linear's output may be a view its all-reduce returned as is (TP 1), which autograd forbids
+    changing in place."""
     if not container.enabled:
         return output
     out, bias = output
-    return out + adapter(args[0]), bias
+    delta = adapter(args[0])
+    return (out.add_(delta) if adapter.style == "column" else out + delta), bias
 
 
 def _chunk_modules(chunk: torch.nn.Module, *, pp_rank: int, pp_size: int, vpp_rank: int, vpp_size: int,

@@ -24,7 +24,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from megarl.config.settings import Batching, PolicyUpdateSettings, PreferenceUpdateSettings, ValueUpdateSettings
+from megarl.config.settings import (
+    Batching,
+    LoraSettings,
+    PolicyUpdateSettings,
+    PreferenceUpdateSettings,
+    ValueUpdateSettings,
+)
 from megarl.models.spec import Arch
 
 Tensor = torch.Tensor
@@ -45,13 +51,28 @@ class WeightShards:
     num_chunks: int
     arch: Arch
     padded_vocab: int
+    # The global names of the parameters a sync must send (None: all); a LoRA policy's frozen weights stay as
+    # the servers loaded them, so only its adapted linears (merged) change.
+    only: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class AdapterShards:
+    """This rank's LoRA adapters as the adapter-only sync reads them: `shards[(chunk, name)]` is the local shard of
+    full-layout adapter tensor `name` (`megarl.models.lora`), `tp_rank` the rank it was cut for."""
+
+    shards: dict[tuple[int, str], Tensor]
+    tp_rank: int
+    arch: Arch
+    settings: LoraSettings
 
 
 @runtime_checkable
 class TrainEngine(Protocol):
     def compute_log_prob(self, rows: Rows, *, temperature: float, with_entropy: bool,
-                         batching: Batching) -> tuple[Tensor, Tensor | None]:
-        """(log-probs [B, R], entropy [B, R] or None) of the response tokens, on every rank."""
+                         batching: Batching, adapters: bool = True) -> tuple[Tensor, Tensor | None]:
+        """(log-probs [B, R], entropy [B, R] or None) of the response tokens, on every rank; `adapters=False`: a
+        LoRA policy's base model (its reference policy)."""
 
     def compute_values(self, rows: Rows, *, batching: Batching) -> Tensor:
         """Values [B, R]: V of the state before each response token, on every rank."""
@@ -69,7 +90,10 @@ class TrainEngine(Protocol):
         """One supervised step on the `loss_mask` tokens at learning rate `lr`."""
 
     def weight_shards(self) -> WeightShards:
-        """This rank's named weights, for the weight sync."""
+        """This rank's named weights, for the weight sync (a LoRA policy's with its adapters merged)."""
+
+    def adapter_shards(self) -> AdapterShards | None:
+        """This rank's LoRA adapters, for the adapter-only sync (None without LoRA)."""
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The full HF-named weights, on every rank."""
@@ -89,6 +113,9 @@ class TrainEngine(Protocol):
 
     def reset_optimizer_state(self) -> None:
         """Forget the optimizer's moments (the LR schedule is kept)."""
+
+    def train_state_bytes(self) -> int:
+        """Bytes of the weights, gradients and optimizer state this rank keeps while it trains."""
 
     def offload(self, *, weights: bool) -> None:
         """Move optimizer state and gradient buffers (and the weights when `weights`) to host memory."""

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from megarl.config.training import LORA_HF_LINEARS
 from megarl.models.layout import unpack_qkv
 from megarl.models.sharding import merge_tensor, shard_tensor
 from megarl.models.spec import Arch
@@ -32,9 +33,7 @@ Tensor = torch.Tensor
 # Megatron linear -> its parallel style; recipes name targets by these.
 TARGETS = {"linear_qkv": "column", "linear_proj": "row", "linear_fc1": "column", "linear_fc2": "row"}
 INITS = ("kaiming", "gaussian")
-# The HF linears each target stands for, in the order the fused weight stacks them.
-HF_LINEARS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+HF_LINEARS = LORA_HF_LINEARS  # the HF linears each target stands for, in the order the fused weight stacks them
 # PEFT saves a causal LM's adapter tensors under this prefix (`PeftModel` wraps the HF model twice).
 PEFT_PREFIX = "base_model.model."
 _MODULE_RE = re.compile(r"^decoder\.layers\.(\d+)\.(?:(self_attention|mlp)\.)(?:experts\.local_experts\.(\d+)\.)?"

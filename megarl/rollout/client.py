@@ -200,6 +200,25 @@ class RolloutClient:
         ]
         self.run(self._all("POST", "/update_weights_from_tensor", bodies))
 
+    def load_lora_adapter_from_tensors(self, name: str, config: dict, named_tensors: list[tuple[str, torch.Tensor]],
+                                       *, checksums: dict[str, str] | None = None) -> None:
+        """Load a PEFT adapter (its `adapter_config.json` as `config`, tensors with PEFT's names) on every server
+        as `name`: one pickle per server TP rank, as for weight updates; `checksums` ({tensor: digest,
+        `weight_wire.tensor_checksum`}) are checked by the server."""
+        bodies = [{"lora_name": name, "config_dict": config,
+                   "serialized_named_tensors": entries_for_tp_ranks(list(named_tensors), tp_size),
+                   "expected_checksums": checksums}
+                  for tp_size in self.tp_sizes()]
+        self.run(self._all("POST", "/load_lora_adapter_from_tensors", bodies))
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter directory `path` (which every server must see) on every server as `name`."""
+        self.run(self._all("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter `name` on every server (each waits for the requests that still use it)."""
+        self.run(self._all("POST", "/unload_lora_adapter", {"lora_name": name}))
+
     def tp_sizes(self) -> list[int]:
         """Each server's TP size from `/server_info` (a server that does not say has 1), asked once."""
         if self._tp_sizes is None:
@@ -285,7 +304,8 @@ class RolloutClient:
 
 
 def _error_message(text: str) -> str:
-    """The message inside SGLang's error bodies (`{"error": {"message"}}`, `{"message"}`), else the raw text."""
+    """The message inside SGLang's error bodies (`{"error": {"message"}}`, `{"message"}`, a LoRA reply's
+    `{"error_message"}`), else the raw text."""
     try:
         payload = json.loads(text)
     except ValueError:
@@ -298,6 +318,8 @@ def _error_message(text: str) -> str:
             return error
         if "message" in payload:
             return str(payload["message"])
+        if payload.get("error_message"):
+            return str(payload["error_message"])
         if "detail" in payload:
             return str(payload["detail"])
     return text.strip()[:2000]

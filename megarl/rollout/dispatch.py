@@ -64,6 +64,7 @@ async def generate_rows(
     request: Request,
     max_attempts: int,
     on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
+    lora_path: str | None = None,
 ) -> list[GenerationResult]:
     """One result per prompt row, in row order; `groups` partition the rows into shared-prompt requests.
 
@@ -80,7 +81,8 @@ async def generate_rows(
         pending, attempt = list(rows), 0
         while pending:
             attempt += 1
-            body = generate_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, return_logprob=True)
+            body = generate_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, return_logprob=True,
+                                 lora_path=lora_path)
             target = await targets.acquire()
             try:
                 reply = await request(target.url, "POST", "/generate", body)

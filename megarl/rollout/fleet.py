@@ -66,6 +66,7 @@ from megarl.rollout.server_host import (
     start_hosts,
 )
 from megarl.rollout.sglang_launcher import passthrough_args
+from megarl.rollout.weight_wire import lora_adapter_name
 
 # push(urls=[...], version=v) loads the trainer's current weights into those servers under version v;
 # on GPUs it also gets devices=[per server, the UUID of each TP rank's GPU] (the tensor transport needs them).
@@ -102,6 +103,7 @@ class RolloutFleet:
         startup_timeout_s: float = 900.0,
         max_restarts: int = 2,
         max_attempts: int = 4,
+        lora_adapters: bool = False,
     ):
         if routing not in ("client", "router"):
             raise ValueError(f"routing must be 'client' or 'router', got {routing!r}")
@@ -113,6 +115,8 @@ class RolloutFleet:
         self.spec = spec
         self.pad_token_id = pad_token_id
         self.seed, self.max_concurrency = seed, max_concurrency
+        # Adapter-only weight sync: each sync loads the version's LoRA adapter, which every generation names.
+        self.lora_adapters = lora_adapters
         self.max_restarts, self.max_attempts, self.startup_timeout_s = max_restarts, max_attempts, startup_timeout_s
         self._weight_lock = threading.Lock()
         self._source: WeightSource | str | Path | None = None
@@ -174,7 +178,7 @@ class RolloutFleet:
         groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
         results = self.run_generation(generate_rows(
             prompts, groups, sampling=sampling, seed=self.call_seed(seed), targets=self,
-            request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows,
+            request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows, lora_path=self.lora_path,
         ))
         return rollout_batch(gen_batch, results, pad_id=self.pad_token_id,
                              max_response_length=sampling.max_new_tokens)
@@ -203,8 +207,14 @@ class RolloutFleet:
         """One sample continuing `input_ids` exactly, sent through the fleet with its retries (on the fleet's loop,
         inside `run_generation`): a turn of a multi-turn episode."""
         (result,) = await generate_rows([list(input_ids)], [[0]], sampling=sampling, seed=seed, targets=self,
-                                        request=self._client.request, max_attempts=self.max_attempts)
+                                        request=self._client.request, max_attempts=self.max_attempts,
+                                        lora_path=self.lora_path)
         return result
+
+    @property
+    def lora_path(self) -> str | None:
+        """The LoRA adapter every generation names (the current version's, with the adapter-only sync), or None."""
+        return lora_adapter_name(self._version) if self.lora_adapters else None
 
     def on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run `coroutine` on the fleet's event loop, where generation runs (what generation coroutines use, e.g.

@@ -38,14 +38,17 @@ def sampling_params(sampling: SamplingSettings) -> dict[str, Any]:
 
 
 def generate_body(prompt: Sequence[int], rows: Sequence[int], *, sampling: SamplingSettings, seed: int | None,
-                  return_logprob: bool) -> dict[str, Any]:
-    """One `/generate` body for the samples `rows` of `prompt`: one copy per row, each with its row's seed.
+                  return_logprob: bool, lora_path: str | None = None) -> dict[str, Any]:
+    """One `/generate` body for the samples `rows` of `prompt`: one copy per row, each with its row's seed; with
+    `lora_path`, every copy generates with that LoRA adapter (SGLang's name of a loaded adapter).
 
     A single row is sent as a single request (SGLang answers it with one object, not a list of one)."""
     params = [sampling_params(sampling) for _ in rows]
     if seed is not None:
         for item, row in zip(params, rows):
             item["sampling_seed"] = sample_seed(seed, row)
+    adapter = {"lora_path": lora_path} if lora_path is not None else {}
     if len(rows) == 1:
-        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": return_logprob}
-    return {"input_ids": [list(prompt)] * len(rows), "sampling_params": params, "return_logprob": return_logprob}
+        return {"input_ids": list(prompt), "sampling_params": params[0], "return_logprob": return_logprob, **adapter}
+    return {"input_ids": [list(prompt)] * len(rows), "sampling_params": params, "return_logprob": return_logprob,
+            **adapter}

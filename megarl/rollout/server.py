@@ -124,8 +124,15 @@ def cpu_engine_command(
     max_sequences: int | None = None,
     max_reply_entries: int | None = None,
     deterministic: bool = False,
+    enable_lora: bool = False,
+    max_lora_rank: int | None = None,
+    lora_target_modules: list[str] | None = None,
+    lora_paths: list[str] | None = None,
+    max_loras_per_batch: int | None = None,
+    max_loaded_loras: int | None = None,
 ) -> list[str]:
-    """The argv that runs one CPU engine server; `config` is a file of further arguments (the API key)."""
+    """The argv that runs one CPU engine server (LoRA flags as SGLang's); `config` is a file of further arguments
+    (the API key)."""
     command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
     command += ["--log-level", log_level]
@@ -133,12 +140,16 @@ def cpu_engine_command(
                 "--seed": seed, "--dtype": dtype, "--health-check-timeout-s": health_check_timeout_s,
                 "--weight-update-group-timeout-s": weight_update_group_timeout_s,
                 "--max-request-bytes": max_request_bytes, "--max-sequences": max_sequences,
-                "--max-reply-entries": max_reply_entries}
+                "--max-reply-entries": max_reply_entries, "--max-lora-rank": max_lora_rank,
+                "--max-loras-per-batch": max_loras_per_batch, "--max-loaded-loras": max_loaded_loras}
     for flag, value in optional.items():
         if value is not None:
             command += [flag, str(value)]
+    for flag, values in (("--lora-target-modules", lora_target_modules), ("--lora-paths", lora_paths)):
+        if values:
+            command += [flag, *map(str, values)]
     switches = {"--enable-memory-saver": enable_memory_saver, "--enable-weights-cpu-backup": enable_weights_cpu_backup,
-                "--enable-deterministic-inference": deterministic}
+                "--enable-deterministic-inference": deterministic, "--enable-lora": enable_lora}
     return command + [flag for flag, on in switches.items() if on]
 
 

@@ -56,6 +56,9 @@ class ServerSpec:
     enable_memory_saver: bool = False  # allow /release_memory_occupation (colocated GPUs)
     enable_weights_cpu_backup: bool = False  # resumed weights come back from a host copy
     seed: int | None = None
+    # LoRA serving (`--enable-lora`): the largest adapter rank and the HF modules adapters may target
+    lora_max_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
     deterministic: bool = False  # --enable-deterministic-inference: each request's sampling_seed is honoured
     max_sequences: int | None = None  # CPU engine: most sequences (prompts x n) one request may ask for
 
@@ -190,6 +193,8 @@ class ServerHost:
                 spec.model_path, host=self.address, port=self.port, config=config, threads=spec.threads,
                 tokenizer_path=spec.tokenizer_path, weight_version=spec.weight_version, seed=spec.seed,
                 enable_memory_saver=spec.enable_memory_saver, enable_weights_cpu_backup=spec.enable_weights_cpu_backup,
+                enable_lora=spec.lora_max_rank is not None, max_lora_rank=spec.lora_max_rank,
+                lora_target_modules=list(spec.lora_target_modules) or None,
                 deterministic=spec.deterministic, max_sequences=spec.max_sequences,
             )
             # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
@@ -199,7 +204,8 @@ class ServerHost:
             mem_fraction_static=spec.mem_fraction, config=config, weight_version=spec.weight_version,
             skip_tokenizer_init=spec.skip_tokenizer_init, enable_memory_saver=spec.enable_memory_saver,
             enable_weights_cpu_backup=spec.enable_weights_cpu_backup, deterministic=spec.deterministic,
-            extra=spec.sglang_args,
+            extra=spec.sglang_args, lora_max_rank=spec.lora_max_rank,
+            lora_target_modules=spec.lora_target_modules,
         )
         # /health without its one-token generation: a probe must never generate on a server paused for a sync
         # (it would block, then fail) or on memory released to a colocated trainer.

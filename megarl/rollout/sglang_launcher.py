@@ -63,9 +63,13 @@ def sglang_server_argv(
     deterministic: bool = False,
     extra: dict[str, Any] | None = None,
     python: str = sys.executable,
+    lora_max_rank: int | None = None,
+    lora_target_modules: tuple[str, ...] = (),
 ) -> list[str]:
     """The full argv: megarl's arguments first, then the pass-through block. `config` is the YAML file of
-    the run's secrets (the API key), which SGLang reads with `--config`: never a secret on the command line."""
+    the run's secrets (the API key), which SGLang reads with `--config`: never a secret on the command line.
+    `lora_max_rank`: serve LoRA adapters of at most that rank on `lora_target_modules` (SGLang needs both to load
+    adapters at run time)."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", str(model_path)]
     argv += ["--tp-size", str(tp_size), "--mem-fraction-static", _scalar(mem_fraction_static)]
     argv += ["--host", host, "--port", str(port)]
@@ -81,6 +85,8 @@ def sglang_server_argv(
         argv.append("--enable-weights-cpu-backup")
     if deterministic:
         argv.append("--enable-deterministic-inference")  # SGLang reads sampling_seed only with it
+    if lora_max_rank is not None:
+        argv += ["--enable-lora", "--max-lora-rank", str(lora_max_rank), "--lora-target-modules", *lora_target_modules]
     return argv + passthrough_args(extra or {})
 
 

@@ -24,6 +24,7 @@ engine accepts is exactly what real SGLang 0.5.23 accepts:
   UUID back to a local index (`device_index_for_uuid`).
 - SGLang's weight checksums (`tensor_checksum`, `rank_checksum`, `engine_checksum`) for
   `/weights_checker` and `weight_sync.verify: checksum`.
+- The name of the adapter a weight version loads (`lora_adapter_name`).
 - Weight-update groups: `new_update_group` is SGLang's `init_custom_process_group`
   rendezvous (TCP store at the trainer, `PrefixStore(group_name)`, a group outside
   the default one) for both the trainer (rank 0) and each server TP rank.
@@ -253,6 +254,12 @@ def deserialize_named_tensors(serialized: str | bytes, *, load_format: str | Non
 
 
 # ---- checksums (SGLang's `/weights_checker`, `srt/utils/weight_checker.py`) ----------------------
+
+def lora_adapter_name(version: object) -> str:
+    """The name a LoRA adapter pushed under weight version `version` is loaded as (adapter-only sync), which
+    every generation then names as its `lora_path`."""
+    return f"megarl-v{version}"
+
 
 # Non-persistent buffers SGLang leaves out of its checksum (rotary tables and the like, rebuilt, never loaded).
 UNCHECKED_BUFFER_PATTERNS = ("cos_sin_cache", "inv_freq", "freqs_cis", "_weight_fp32")

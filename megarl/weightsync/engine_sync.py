@@ -63,10 +63,10 @@ class EngineWeightSync:
             self._groups = SyncGroups.build(coords, timeout_s=timeout_s)
         layout = TrainerLayout(tp=coords.tp_size, pp=coords.pp_size, vpp=weights.num_chunks, dp=coords.dp_size,
                                ep=coords.ep_size)
-        plan_key = (layout, dtype, settings.bucket_bytes, padded_vocab)
+        plan_key = (layout, dtype, settings.bucket_bytes, padded_vocab, weights.only)
         if plan_key not in self._plans:
             self._plans[plan_key] = build_plan(arch, layout, dtype=dtype, bucket_bytes=plan_key[2],
-                                               padded_vocab=padded_vocab)
+                                               padded_vocab=padded_vocab, only=weights.only)
         servers = tuple(urls)
         disk_dir = settings.disk_dir
         devices = tuple(tuple(server) for server in server_devices) if server_devices is not None else None

@@ -139,11 +139,13 @@ def build_plan(
     dtype: torch.dtype,
     bucket_bytes: int,
     padded_vocab: int | None = None,
+    only: frozenset[str] | None = None,
 ) -> ReshardPlan:
     """The plan for sending a model trained at `layout` (parameters of `dtype`) as full HF tensors.
 
     `arch`: `megarl.models.arch_from_hf(hf_config)`; `padded_vocab`: the engine's padded
-    vocab (default: Megatron's padding to a multiple of 128 * TP).
+    vocab (default: Megatron's padding to a multiple of 128 * TP); `only`: the global names of the
+    Megatron parameters to send (a LoRA policy's adapted linears), with the HF tensors made from them.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -156,12 +158,13 @@ def build_plan(
     buckets: list[Bucket] = []
     for pp_rank in range(layout.pp):
         for ep_rank in range(layout.ep):
-            params = _stage_params(full, outputs, arch, layout, pp_rank, ep_rank)
+            params = [param for param in _stage_params(full, outputs, arch, layout, pp_rank, ep_rank)
+                      if only is None or param.name in only]
             sender = layout.global_rank(tp_rank=0, pp_rank=pp_rank, dp_rank=ep_rank)
             buckets += _bucketize(params, pp_rank=pp_rank, ep_rank=ep_rank, sender=sender, dtype=dtype,
                                   cap=bucket_bytes, first_index=len(buckets))
     sent = [t.name for b in buckets for t in b.tensors]
-    expected = set(meta_hf)
+    expected = set(meta_hf) if only is None else {out.name for name in only for out in outputs[name]}
     if sorted(sent) != sorted(expected):
         raise ValueError(f"plan does not cover the HF tensors exactly once: missing {sorted(expected - set(sent))[:5]}, "
                          f"sent {len(sent)} for {len(expected)}")

@@ -22,6 +22,7 @@ import yaml
 from safetensors import safe_open
 
 from megarl.rollout.cpu_engine.engine import EngineArgs
+from megarl.rollout.cpu_engine.lora import check_lora_args
 from megarl.rollout.cpu_engine.weights import DTYPES
 from megarl.rollout.cpu_engine.http_server import build_app
 
@@ -64,6 +65,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "a request that could exceed it gets 400")
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="honour each request's sampling_seed (SGLang's flag: without it a seed is ignored)")
+    lora = parser.add_argument_group("LoRA serving (SGLang's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora-paths)")
+    lora.add_argument("--lora-paths", nargs="*", default=None,
+                      help="adapters loaded at start: PATH | NAME=PATH | JSON {lora_name, lora_path, pinned}")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="largest rank a loaded adapter may have")
+    lora.add_argument("--lora-target-modules", nargs="*", default=None,
+                      help="modules adapters may target (q_proj ... down_proj, or all)")
+    lora.add_argument("--max-loras-per-batch", type=int, default=8,
+                      help="most adapters (the base model counting as one) in one running batch")
+    lora.add_argument("--max-loaded-loras", type=int, default=None,
+                      help="most adapters loaded; beyond it the least recently used unpinned one is unloaded")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -71,6 +83,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     args = parser.parse_args(argv)
+    for problem in check_lora_args(enable_lora=args.enable_lora, lora_paths=args.lora_paths,
+                                   max_lora_rank=args.max_lora_rank, lora_target_modules=args.lora_target_modules,
+                                   max_loras_per_batch=args.max_loras_per_batch,
+                                   max_loaded_loras=args.max_loaded_loras):
+        parser.error(problem)
     for flag in ("max_batch", "threads", "max_request_bytes", "max_sequences", "max_reply_entries"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: must be >= 1 (got {getattr(args, flag)})")

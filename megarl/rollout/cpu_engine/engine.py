@@ -23,7 +23,9 @@ import threading
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from typing import Callable
 
+from megarl.rollout.cpu_engine.lora import LoraError, LoraServing, lora_serving_from_args
 from megarl.rollout.cpu_engine.memory import MemorySaver
 from megarl.rollout.cpu_engine.scheduler import Scheduler
 from megarl.rollout.cpu_engine.sequence import Sequence
@@ -76,6 +78,13 @@ class EngineArgs:
     max_sequences: int = 256  # sequences (prompts x n) one /generate may ask for
     max_reply_entries: int = 1 << 22  # token entries of one reply: n x tokens x (1 + top_logprobs_num)
     enable_deterministic_inference: bool = False  # honour sampling_seed (SGLang reads it only with this flag)
+    # LoRA serving (SGLang's flags; `--lora-paths` implies `--enable-lora`)
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None
+    max_lora_rank: int | None = None
+    lora_target_modules: list[str] | None = None
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
 
 
 class CpuEngine:
@@ -99,6 +108,7 @@ class CpuEngine:
         # bucket (re-mapping page-faulted ~0.15 s per 1.9 GB, a third of the update time).
         self._recent_buckets: deque = deque(maxlen=RECENT_BUCKETS)
         self._control_lock = threading.Lock()
+        self.lora: LoraServing | None = lora_serving_from_args(self.model, args)
         self._checker = WeightChecker(self.model)
         self.scheduler = Scheduler(
             self.model,
@@ -106,6 +116,7 @@ class CpuEngine:
             eos_token_ids=eos_token_ids(self.model),
             decode=self.decode if self.tokenizer is not None else None,
             seed=args.seed,
+            lora=self.lora,
         )
         self.scheduler.start()
 
@@ -266,6 +277,36 @@ class CpuEngine:
                              f"requests run and {waiting} wait (pause with mode 'abort', or send flush_cache: false "
                              f"and flush once the server is idle)")
         return True, f"Succeeded to update {count} tensors"
+
+    # ---- LoRA adapters: each returns (success, error message or None, loaded adapters) -----------
+
+    def lora_operation(self, call: Callable[[LoraServing], dict]) -> tuple[bool, str | None, dict | None]:
+        """`call(self.lora)` (a load or an unload) with SGLang's refusal without --enable-lora; a refused one
+        answers its message. A `FatalError` (an unreadable tensor payload) goes up."""
+        if self.lora is None:
+            return False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", None
+        try:
+            return True, None, call(self.lora)
+        except LoraError as error:
+            return False, str(error), None
+
+    def lora_tensors(self, serialized_named_tensors: list[str], load_format: str | None) -> list:
+        """The adapter tensors of TP rank 0's entry, read as `update_weights_from_tensor` reads its entry."""
+        if len(serialized_named_tensors) < TP_SIZE:
+            raise FatalError(f"load_lora_adapter_from_tensors: serialized_named_tensors has "
+                             f"{len(serialized_named_tensors)} entries, TP rank 0 of {TP_SIZE} has none")
+        if len(serialized_named_tensors) > TP_SIZE:
+            raise LoraError(f"serialized_named_tensors: expected {TP_SIZE} entry (one per TP rank), got "
+                            f"{len(serialized_named_tensors)}; the extra pickles' shared buffers would never be "
+                            f"released")
+        try:
+            payload = deserialize_payload(serialized_named_tensors[0])
+        except (UnsafePayloadError, ValueError) as error:
+            raise FatalError(f"load_lora_adapter_from_tensors: {error}") from error
+        try:
+            return named_tensors_of(payload, load_format=load_format)
+        except ValueError as error:
+            raise LoraError(str(error)) from None
 
     # ---- memory --------------------------------------------------------------------------------
 

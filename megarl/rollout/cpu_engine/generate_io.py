@@ -54,6 +54,7 @@ class GenerateJob:
     returns_list: bool
     stream: bool
     text_in_logprobs: bool
+    lora_names: list[str | None]  # per sequence: the LoRA adapter its prompt names (None: the base model)
 
 
 def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, tokenizer: Any | None,
@@ -80,6 +81,7 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
     return_logprob = _per_prompt("return_logprob", body.return_logprob, count, False, problems)
     start_lens = _per_prompt("logprob_start_len", body.logprob_start_len, count, -1, problems)
     top_nums = _per_prompt("top_logprobs_num", body.top_logprobs_num, count, 0, problems)
+    lora_names = _per_prompt("lora_path", body.lora_path, count, None, problems)
     if any(number > vocab_size for number in top_nums):
         problems.append(f"top_logprobs_num: at most the vocabulary size {vocab_size} (got {max(top_nums)})")
     total = sum(item.n or 1 for item in params)
@@ -90,6 +92,7 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
         raise RequestError(problems)
 
     seqs: list[Sequence] = []
+    seq_lora_names: list[str | None] = []
     for index, prompt in enumerate(prompts):
         settings = _settings(params[index], len(prompt), context_length, tokenizer, index, problems)
         samples = params[index].n or 1
@@ -107,6 +110,7 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
                     stream=body.stream,
                 )
             )
+            seq_lora_names.append(lora_names[index])
     entries = sum(reply_entries(seq) for seq in seqs)
     if entries > limits.max_reply_entries:
         problems.append(f"sampling_params.max_new_tokens: the reply would hold {entries} token entries (n x tokens x "
@@ -115,7 +119,7 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
     if problems:
         raise RequestError(problems)
     returns_list = is_batch or len(seqs) > len(prompts)
-    return GenerateJob(seqs, returns_list, body.stream, body.return_text_in_logprobs)
+    return GenerateJob(seqs, returns_list, body.stream, body.return_text_in_logprobs, seq_lora_names)
 
 
 def reply_entries(seq: Sequence) -> int:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from megarl.rollout.cpu_engine.engine import CpuEngine
 from megarl.rollout.cpu_engine.generate_io import GenerateJob, build_job, output_dict
+from megarl.rollout.cpu_engine.lora import LoraError
 from megarl.rollout.cpu_engine.schema import GenerateBody, RequestError
 from megarl.rollout.cpu_engine.sequence import SamplingSettings, Sequence
 from megarl.rollout.cpu_engine.serving import read_body, state_of
@@ -79,15 +80,40 @@ async def generate(request: Request) -> Response:
             tokenizer=engine.tokenizer,
             limits=state.limits,
         )
+        adapters = _acquire_adapters(engine, job)
     except RequestError as error:
         return JSONResponse({"error": {"message": "; ".join(error.problems)}}, status_code=error.status)
     if job.stream:
-        return StreamingResponse(_stream(engine, job, state.gate), media_type="text/event-stream")
-    async with state.gate.shared():
-        if not await _run(engine, job.seqs, disconnected=request.is_disconnected):
-            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+        return StreamingResponse(_stream(engine, job, state.gate, adapters), media_type="text/event-stream")
+    try:
+        async with state.gate.shared():
+            if not await _run(engine, job.seqs, disconnected=request.is_disconnected):
+                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    finally:
+        _release_adapters(engine, adapters)
     outputs = [_output(engine, job, seq) for seq in job.seqs]
     return JSONResponse(outputs if job.returns_list else outputs[0])
+
+
+def _acquire_adapters(engine: CpuEngine, job: GenerateJob) -> list:
+    """The LoRA adapters the job's sequences name, counted in use until released (an unloading adapter waits
+    for them); RequestError when LoRA is off or a name is not loaded, as SGLang refuses the request."""
+    if all(name is None for name in job.lora_names):
+        return []
+    if engine.lora is None:
+        raise RequestError(["lora_path: LoRA is not enabled. Please set `--enable-lora` to enable LoRA."])
+    try:
+        adapters = engine.lora.acquire(job.lora_names)
+    except LoraError as error:
+        raise RequestError([str(error)]) from None
+    for seq, adapter in zip(job.seqs, adapters):
+        seq.adapter = adapter
+    return adapters
+
+
+def _release_adapters(engine: CpuEngine, adapters: list) -> None:
+    if adapters:
+        engine.lora.release(adapters)
 
 
 def _released(engine: CpuEngine, path: str) -> Response:
@@ -151,11 +177,14 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
-async def _stream(engine: CpuEngine, job: GenerateJob, gate: ModelUpdateGate) -> AsyncIterator[str]:
+async def _stream(engine: CpuEngine, job: GenerateJob, gate: ModelUpdateGate, adapters: list) -> AsyncIterator[str]:
     """SSE: one `data: {...}` line per new token of any sequence (cumulative output), then `data: [DONE]`."""
-    async with gate.shared():
-        async for chunk in _stream_chunks(engine, job):
-            yield chunk
+    try:
+        async with gate.shared():
+            async for chunk in _stream_chunks(engine, job):
+                yield chunk
+    finally:
+        _release_adapters(engine, adapters)
 
 
 async def _stream_chunks(engine: CpuEngine, job: GenerateJob) -> AsyncIterator[str]:

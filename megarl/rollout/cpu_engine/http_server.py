@@ -19,7 +19,7 @@ As strict as SGLang 0.5.23:
   500 and then this process exits, as SGLang's server does.
 Any other failing request leaves the server up.
 
-The routes live in `generate_routes`, `control_routes` and `weight_routes`;
+The routes live in `generate_routes`, `control_routes`, `weight_routes` and `lora_routes`;
 what they share (the state, body reading, reply shapes) in `serving`.
 """
 
@@ -35,13 +35,13 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from megarl.rollout.cpu_engine import control_routes, generate_routes, weight_routes
+from megarl.rollout.cpu_engine import control_routes, generate_routes, lora_routes, weight_routes
 from megarl.rollout.cpu_engine.engine import CpuEngine, EngineArgs
 from megarl.rollout.cpu_engine.serving import ServerState
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = (generate_routes.router, control_routes.router, weight_routes.router)
+ROUTERS = (generate_routes.router, control_routes.router, weight_routes.router, lora_routes.router)
 
 
 def build_app(args: EngineArgs) -> FastAPI:

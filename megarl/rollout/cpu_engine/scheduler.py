@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -38,6 +38,7 @@ try:
 except ImportError:  # transformers < 4.56 keeps key/value lists instead of layers: no joining
     DynamicLayer = None
 
+from megarl.rollout.cpu_engine.lora import LoraServing
 from megarl.rollout.cpu_engine.sampler import BatchSamplingParams, sample_next_tokens, token_logprobs
 from megarl.rollout.cpu_engine.sequence import Sequence
 
@@ -110,8 +111,10 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         decode: Callable[[list[int], bool], str] | None,
         seed: int,
+        lora: LoraServing | None = None,
     ):
         self._model = model
+        self._lora = lora
         self._max_batch = max_batch
         self._eos_token_ids = eos_token_ids
         self._decode = decode
@@ -243,10 +246,24 @@ class Scheduler:
         return bool(self._waiting) and self._pause_mode is None and not self._holds
 
     def _take_waiting(self, limit: int) -> list[Sequence]:
-        """Move up to `limit` waiting sequences into the running set (lock held)."""
-        taken = [self._waiting.popleft() for _ in range(min(limit, len(self._waiting)))]
+        """Move up to `limit` waiting sequences into the running set (lock held). With LoRA, a sequence whose
+        adapter would make the batch use more than `--max-loras-per-batch` adapters waits (in order)."""
         # A batch that keeps admitting newcomers may never end: drop finished sequences here.
-        self._running = [seq for seq in self._running if not seq.done] + taken
+        running = [seq for seq in self._running if not seq.done]
+        if self._lora is None:
+            taken = [self._waiting.popleft() for _ in range(min(limit, len(self._waiting)))]
+        else:
+            adapters = {_adapter_id(seq) for seq in running}
+            taken, skipped = [], []
+            while self._waiting and len(taken) < limit:
+                seq = self._waiting.popleft()
+                if self._lora.admits(adapters, seq.adapter):
+                    adapters.add(_adapter_id(seq))
+                    taken.append(seq)
+                else:
+                    skipped.append(seq)
+            self._waiting.extendleft(reversed(skipped))
+        self._running = running + taken
         return taken
 
     def _run_batch(self, seqs: list[Sequence]) -> int:
@@ -309,10 +326,13 @@ class Scheduler:
                 self._cond.notify_all()
                 self._cond.wait()
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, **kwargs):
-        return self._model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, **kwargs
-        )
+    def _forward(self, seqs: list[Sequence], input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor, **kwargs):
+        with nullcontext() if self._lora is None else self._lora.rows([seq.adapter for seq in seqs]):
+            return self._model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                **kwargs,
+            )
 
     def _prefill(self, seqs: list[Sequence]) -> tuple[_Batch, torch.Tensor]:
         # A retracted sequence resumes by re-reading its prompt plus what it generated so far.
@@ -335,6 +355,7 @@ class Scheduler:
         want_prompt = any(seq.wants_prompt_logprobs for seq in seqs)
         cache = _new_cache(self._model.config)
         out = self._forward(
+            seqs,
             input_ids,
             attention_mask,
             position_ids,
@@ -352,6 +373,7 @@ class Scheduler:
         )
         batch.last_positions = batch.last_positions + 1
         out = self._forward(
+            batch.seqs,
             tokens.unsqueeze(-1),
             batch.attention_mask,
             batch.last_positions.unsqueeze(-1),
@@ -386,6 +408,10 @@ class Scheduler:
             seq.input_logprobs = values[first:]
             if seq.top_logprobs_num > 0:
                 seq.input_top_logprobs = tops[first:]
+
+
+def _adapter_id(seq: Sequence) -> str | None:
+    return seq.adapter.lora_id if seq.adapter is not None else None
 
 
 def _new_cache(config) -> DynamicCache:

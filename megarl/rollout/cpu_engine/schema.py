@@ -118,13 +118,14 @@ class GenerateBody(_Strict):
     external_trace_header: dict[str, Any] | None = None
     # sglang-router (0.3.2) adds `model` (null) and `return_bytes` (false) to every request it forwards
     model: str | None = None
+    # the LoRA adapter of each prompt, by name (None: the base model); one name, or one per prompt
+    lora_path: str | list[str | None] | None = None
     # accepted only at their neutral value
     input_embeds: Any = None
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
     modalities: Any = None
-    lora_path: Any = None
     lora_id: Any = None
     custom_logit_processor: Any = None
     session_params: Any = None
@@ -137,7 +138,7 @@ class GenerateBody(_Strict):
 
     _neutral_only: ClassVar[dict[str, Any]] = {
         **{name: [] for name in ("input_embeds", "image_data", "video_data", "audio_data", "modalities")},
-        **{name: [] for name in ("lora_path", "lora_id", "custom_logit_processor", "token_ids_logprob")},
+        **{name: [] for name in ("lora_id", "custom_logit_processor", "token_ids_logprob")},
         "session_params": {},
         **{name: False for name in ("return_hidden_states", "return_routed_experts", "return_entropy", "background",
                                     "return_bytes")},
@@ -245,6 +246,33 @@ class PauseGenerationBody(_Strict):
 
 class ContinueGenerationBody(_Strict):
     pass
+
+
+class LoadLoRAAdapterBody(_Strict):
+    """SGLang's LoadLoRAAdapterReqInput (`lora_id` is assigned by the server)."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+    pinned: bool = False
+
+
+class LoadLoRAAdapterFromTensorsBody(_Strict):
+    """SGLang's LoadLoRAAdapterFromTensorsReqInput: the PEFT config and one serialized copy of the tensors per TP
+    rank (read as `/update_weights_from_tensor` reads its entries), with optional per-tensor checksums."""
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    added_tokens_config: dict[str, int] | None = None
+    load_format: Literal["direct", "flattened_bucket"] | None = None
+    expected_checksums: dict[str, str] | None = None
+
+    _neutral_only: ClassVar[dict[str, Any]] = {"added_tokens_config": {}}
+
+
+class UnloadLoRAAdapterBody(_Strict):
+    lora_name: Annotated[str, Field(min_length=1)]
 
 
 class AbortRequestBody(_Strict):

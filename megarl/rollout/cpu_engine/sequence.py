@@ -58,6 +58,7 @@ class Sequence:
     finish_reason: dict[str, Any] | None = None
     weight_version: str | None = None
     created_at: float = field(default_factory=time.perf_counter)
+    adapter: Any = None  # the LoRA adapter it generates with (`lora.Adapter`); None: the base model
     finished_at: float | None = None
     abort_message: str | None = None
     generator: torch.Generator | None = None

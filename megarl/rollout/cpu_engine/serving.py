@@ -38,6 +38,8 @@ class ServerState:
     gate: ModelUpdateGate = field(default_factory=ModelUpdateGate)
     # FIFO: weight operations are served one at a time, in arrival order.
     weight_ops: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # LoRA adapter loads and unloads, one at a time (SGLang's lora_update_lock)
+    lora_ops: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def ready(self) -> bool:
