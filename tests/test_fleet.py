@@ -184,16 +184,16 @@ def fleet(ray_session, models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pushes(fleet, models):
     """The trained weights as the fleet's weight source (one trainer rank, the tensor transport); records
-    every push."""
+    every push: its servers, its version and the thread that made it."""
     trained = models["trained"]
     arch = arch_from_hf(trained.config.to_dict())
     plan = build_plan(arch, TrainerLayout(), dtype=torch.float32, bucket_bytes=2**20)
     full = hf_to_megatron(dict(trained.state_dict()), arch, padded_vocab=plan.padded_vocab)
     local = {(0, name): tensor for name, tensor in full.items()}
-    calls: list[tuple[list[str], object]] = []
+    calls: list[tuple[list[str], object, threading.Thread]] = []
 
     def push(*, urls, version):
-        calls.append((list(urls), version))
+        calls.append((list(urls), version, threading.current_thread()))
         with RolloutClient(urls, api_key=API_KEY) as client:
             syncer = WeightSyncer(plan, make_transport("tensor", client, timeout_s=60),
                                   SyncGroups.build(RankCoords(), timeout_s=60), client=client)
@@ -244,32 +244,45 @@ def test_generation_returns_every_row_once_with_its_seeded_sample(fleet):
 
 
 @pytest.mark.dist
-def test_killed_server_is_restarted_and_resynced_and_no_row_is_lost(fleet, pushes, models):
+def test_killed_servers_are_restarted_resynced_by_the_driver_and_no_row_is_lost(fleet, pushes, models):
     fleet.sync_weights(version=7)
     assert fleet.weight_version == "7"
     assert [call(url, "/model_info")[1]["weight_version"] for url in fleet.urls] == ["7", "7"]
     gen_batch = generation_batch(PROMPTS, N)
     reference = fleet.generate(gen_batch, SAMPLING, seed=5)
 
+    def generate_while_killing(victims: list[dict]) -> tuple[Batch, threading.Thread]:
+        """Generate on a thread of its own (the driver here) and SIGKILL `victims` once server 0 runs a request."""
+        holder: dict = {}
+        driver = threading.Thread(target=lambda: holder.update(out=fleet.generate(gen_batch, SAMPLING, seed=5)))
+        driver.start()
+        deadline = time.monotonic() + 30
+        while call(fleet.status()[0]["url"], "/server_info")[1]["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline, "no request ever ran on server 0"
+            time.sleep(0.002)
+        for victim in victims:
+            os.kill(victim["pid"], signal.SIGKILL)
+        driver.join(timeout=180)
+        assert not driver.is_alive(), "the generation hangs"
+        return holder["out"], driver
+
+    # One server dies: its rows go to the other, it comes back stale, and no weights reach it but from the
+    # driver (a push from the fleet's own thread could meet the driver's calls on the actor group).
     victim = fleet.status()[0]
-    holder: dict = {}
-    worker = threading.Thread(target=lambda: holder.update(out=fleet.generate(gen_batch, SAMPLING, seed=5)))
-    worker.start()
-    deadline = time.monotonic() + 30
-    while call(victim["url"], "/server_info")[1]["num_running_reqs"] < 1:
-        assert time.monotonic() < deadline, "no request ever ran on server 0"
-        time.sleep(0.002)
-    os.kill(victim["pid"], signal.SIGKILL)
-    worker.join(timeout=120)
-    out = holder["out"]
+    pushed = len(pushes)
+    out, _ = generate_while_killing([victim])
     assert_every_uid_once(out, gen_batch)
     assert torch.equal(out["responses"], reference["responses"])
     assert torch.allclose(out["rollout_log_probs"], reference["rollout_log_probs"], atol=1e-5)
-
     assert fleet.wait_for_restarts(120)
     restarted = fleet.status()[0]
-    assert restarted["state"] == "up" and restarted["restarts"] == 1 and restarted["pid"] != victim["pid"]
-    assert pushes[-1] == ([restarted["url"]], 7)
+    assert restarted["state"] == "stale" and restarted["restarts"] == 1 and restarted["pid"] != victim["pid"]
+    assert len(pushes) == pushed and fleet.urls == [fleet.status()[1]["url"]]
+    # The driver's next generation first brings it the current version (on the driver's thread), then uses it.
+    again = fleet.generate(gen_batch, SAMPLING, seed=5)
+    assert torch.equal(again["responses"], reference["responses"])
+    assert pushes[-1] == ([restarted["url"]], 7, threading.current_thread())
+    assert fleet.status()[0]["state"] == "up"
     assert call(restarted["url"], "/model_info")[1]["weight_version"] == "7"
     # The restarted server holds the trained weights: its seeded sample and log-probs equal the other
     # server's and HF transformers' on the trained model (not the base weights it loaded from disk).
@@ -284,6 +297,15 @@ def test_killed_server_is_restarted_and_resynced_and_no_row_is_lost(fleet, pushe
     hf = torch.log_softmax(logits.float(), -1)[len(prompt) - 1:-1].gather(-1, torch.tensor(mine["output_ids"])[:, None])
     assert mine_lp == pytest.approx(hf.squeeze(-1).tolist(), abs=1e-4)
 
+    # Every server dies mid-generation (a one-server fleet's case): the stalled generation hands the re-sync
+    # to the thread waiting in `generate`, then finishes every row once.
+    out, driver = generate_while_killing(fleet.status())
+    assert_every_uid_once(out, gen_batch)
+    assert torch.equal(out["responses"], reference["responses"])
+    urls, version, thread = pushes[-1]
+    assert sorted(urls) == sorted(server["url"] for server in fleet.status()) and version == 7
+    assert thread is driver
+    assert [server["state"] for server in fleet.status()] == ["up", "up"]
 
 @pytest.mark.dist
 def test_update_and_generate_endpoints_refuse_requests_without_the_key(fleet):

@@ -1,5 +1,5 @@
 """Colocated start-up: every engine is off its device before the rollout fleet starts, and the first sync wakes
-the actor alone.
+the actor alone; a server restarted later is re-synced the same way, on the driver's thread.
 
 SGLang sizes its KV cache from the device memory free when it starts (what is left
 after its weights, less (1 - mem_fraction) of the device): an engine still holding its
@@ -45,6 +45,14 @@ class _Fleet:
     def set_weight_source(self, source) -> None:
         pass
 
+    def set_resync(self, resync) -> None:
+        self.log.append(("fleet", "set_resync", None))
+        self.resync = resync
+
+    @property
+    def synced_version(self):
+        return 3  # what a run that has synced version 3 re-syncs a restarted server to
+
     def release_memory(self, tags) -> None:
         self.log.append(("fleet", "release", tuple(tags)))
 
@@ -78,7 +86,12 @@ def _start(monkeypatch, tmp_path, overrides: list[str]) -> list:
                                  sampling=rollout_sampling(recipe, eos_token_id=1), run_dir=tmp_path, tracker=None, cleanup=cleanup,
                                  resume_from=None, preemption=SimpleNamespace(requested=False))
         assert roles.rollout is roles.memory.fleet and roles.reward == "reward loop"
-        return list(log)  # before the teardown adds its own calls
+        started = list(log)  # before the teardown adds its own calls
+        if hasattr(roles.rollout, "resync"):  # a restarted server, later, with the engines asleep
+            del log[:]
+            roles.rollout.resync()
+            started.append(("later", "resync", list(log)))
+        return started
 
 
 def test_the_engines_sleep_before_the_fleet_starts_and_the_actor_alone_wakes_to_sync(monkeypatch, tmp_path):
@@ -88,6 +101,7 @@ def test_the_engines_sleep_before_the_fleet_starts_and_the_actor_alone_wakes_to_
     assert asleep == {"actor", "critic", "reference"}
     assert log[start:] == [
         ("fleet", "start", None),
+        ("fleet", "set_resync", None),  # a restarted server is re-synced with the actor woken (memory cycle)
         ("fleet", "release", ("kv_cache", "cuda_graph", "weights")),  # before any engine comes back
         ("actor", "onload", None),
         ("actor", "offload", False),  # the actor keeps only its weights for the sync
@@ -95,6 +109,10 @@ def test_the_engines_sleep_before_the_fleet_starts_and_the_actor_alone_wakes_to_
         ("fleet", "sync", 0),
         ("actor", "offload", True),
         ("fleet", "resume", ("kv_cache", "cuda_graph")),
+        # The re-sync the fleet asks the driver for: the same turn as the first sync, at the current version.
+        ("later", "resync", [("fleet", "release", ("kv_cache", "cuda_graph", "weights")), ("actor", "onload", None),
+                             ("actor", "offload", False), ("fleet", "resume", ("weights",)), ("fleet", "sync", 3),
+                             ("actor", "offload", True), ("fleet", "resume", ("kv_cache", "cuda_graph"))]),
     ]
 
 

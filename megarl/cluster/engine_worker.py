@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 import resource
-import socket
 from typing import Any
 
 import torch
 
 from megarl.cluster.worker_group import WorkerGroup
 from megarl.config.settings import Batching, EngineSettings, WeightSyncSettings
-from megarl.ports import free_port
+from megarl.ports import free_port, node_address
 from megarl.protocol import Batch
 
 ENGINE_KINDS = ("policy", "value", "reward")
@@ -49,10 +48,10 @@ class MegatronWorker:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     def master_endpoint(self) -> tuple[str, int]:
-        """Called on rank 0: where the other ranks meet it for the process group."""
-        local = self.world_size == 1 or not torch.cuda.is_available()
-        host = "127.0.0.1" if local else socket.gethostbyname(socket.gethostname())
-        return host, free_port()
+        """Called on rank 0: where the other ranks meet it for the process group (its node's routable address,
+        which a one-rank engine does not need)."""
+        host = "127.0.0.1" if self.world_size == 1 else node_address()
+        return host, free_port("")  # the store listens on every interface
 
     def init_engine(self, settings: EngineSettings, *, master_addr: str, master_port: int, hf_config: dict,
                     weights: str | None) -> None:

@@ -9,11 +9,18 @@ Calls name the method itself, `group.run(MegatronWorker.offload, weights=True)`,
 never a string: a misspelt method fails where Python resolves the attribute, and
 the arguments are bound to the method's signature here, before anything goes to
 Ray, so a wrong keyword fails in the driver with the method's name.
+
+Calls on one group are serialised: a call made from another thread waits until the
+one in flight has returned. Most worker methods are collectives over the group's
+ranks (NCCL or gloo); two calls submitted at once from two threads could reach the
+ranks in different orders, each rank would enter a different collective, and both
+would hang.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -44,6 +51,7 @@ class WorkerGroup:
             log = {"log_path": str(Path(log_dir) / f"{name}-{rank}.log")} if log_dir is not None else {}
             self.workers.append(remote_cls.options(**options).remote(rank=rank, world_size=self.world_size, **log))
         self._layout: list[dict] | None = None
+        self._calls = threading.RLock()  # held from a call's submission to its last result (module docstring)
 
     def _method_name(self, method: Callable, args: tuple, kwargs: dict) -> str:
         """The name of `method`, once it is known to be a method of the worker class that takes these arguments."""
@@ -62,13 +70,15 @@ class WorkerGroup:
         import ray
 
         name = self._method_name(method, args, kwargs)
-        return ray.get([getattr(worker, name).remote(*args, **kwargs) for worker in self.workers])
+        with self._calls:
+            return ray.get([getattr(worker, name).remote(*args, **kwargs) for worker in self.workers])
 
     def run_rank(self, rank: int, method: Callable, *args, **kwargs):
         import ray
 
         name = self._method_name(method, args, kwargs)
-        return ray.get(getattr(self.workers[rank], name).remote(*args, **kwargs))
+        with self._calls:
+            return ray.get(getattr(self.workers[rank], name).remote(*args, **kwargs))
 
     def layout(self) -> list[dict]:
         """Per rank: `dp_rank`, `dp_size`, `is_output` (known after the engine is initialised)."""
@@ -85,13 +95,14 @@ class WorkerGroup:
         import ray
 
         name = self._method_name(method, (batch,), kwargs)
-        layout = self.layout()
-        shards = [ray.put(shard) for shard in batch.chunk(self.dp_size)]
-        futures = [
-            getattr(worker, name).remote(shards[info["dp_rank"]], **kwargs)
-            for worker, info in zip(self.workers, layout)
-        ]
-        results = ray.get(futures)
+        with self._calls:
+            layout = self.layout()
+            shards = [ray.put(shard) for shard in batch.chunk(self.dp_size)]
+            futures = [
+                getattr(worker, name).remote(shards[info["dp_rank"]], **kwargs)
+                for worker, info in zip(self.workers, layout)
+            ]
+            results = ray.get(futures)
         by_dp = {info["dp_rank"]: result for info, result in zip(layout, results) if info["is_output"]}
         return [by_dp[dp_rank] for dp_rank in range(self.dp_size)]
 

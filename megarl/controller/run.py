@@ -177,6 +177,9 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
     fleet = _start_fleet(recipe, engines.actor, pool=pools["rollout"], weights=weights, data=data, api_key=api_key,
                          run_dir=run_dir, log_dir=log_dir, cleanup=cleanup)
     roles.rollout = memory.fleet = fleet
+    if memory.enabled:
+        # A restarted server gets the current weights while the engines sleep: the actor wakes for a full sync.
+        fleet.set_resync(lambda: memory.sync_from_sleep(lambda: fleet.sync_weights(version=fleet.synced_version)))
     multi_turn = multi_turn_settings(recipe)
     if multi_turn is not None:
         # Registered after fleet.shutdown: the sandbox and the environment stop first, on the fleet's loop.

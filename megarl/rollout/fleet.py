@@ -18,13 +18,22 @@ Colocated memory: with `ServerSpec.enable_memory_saver` the servers start with
 `--enable-memory-saver`; `release_memory()` frees their weights and KV cache
 before the trainer uses the GPUs, `resume_memory()` takes them back (resume
 `weights`, sync, then `kv_cache`: resumed weights are undefined until pushed,
-unless the servers keep a host copy).
+unless the servers keep a host copy). A server that does not answer these calls
+is taken as dead (below) and the call goes on with the others.
 
-Faults: a request whose server died is re-sent to the others (`dispatch`);
-the dead server is restarted (at most `max_restarts` times), re-synced to the
-current weight version through the registered weight source while holding
-the weight lock, checked on `/model_info`, and only then serves again. When
-no server is left, `FleetError` names each with its cause and log tail.
+Faults: a request whose server died is re-sent to the others (`dispatch`); the
+dead server is restarted (at most `max_restarts` times) by the fleet's event loop,
+but only while the fleet holds its memory (`memory_gate`: never while a colocated
+trainer uses the devices). Once healthy it is *stale*: running, without the
+current weights, serving nothing. Weights only ever reach it from the driver's own
+thread, between the driver's calls on the actor's worker group (the push is one
+such call, collective over the actor's ranks: made from another thread it could
+reach two ranks in another order than the driver's calls, and NCCL would hang):
+at the next `sync_weights` (every running server gets the version), at the start
+of the next `generate`, or inside a `generate` left with no serving server, which
+hands the driver the re-sync (`set_resync`; by default a push of the current
+version to the stale servers). When no server is left, `FleetError` names each
+with its cause and log tail.
 
 Stopping: `stop_generating()` (thread-safe; the controller calls it on SIGTERM) cancels
 the generation in flight, which then raises `GenerationInterrupted`, and refuses new ones.
@@ -53,7 +62,8 @@ from megarl.protocol import Batch
 from megarl.rollout.batching import prompt_groups, prompt_token_lists, rollout_batch
 from megarl.rollout.client import RolloutClient, RolloutError
 from megarl.rollout.dispatch import FleetError, generate_rows
-from megarl.rollout.fleet_member import DEAD, RESTARTING, UP, FleetMember
+from megarl.rollout.fleet_member import DEAD, RESTARTING, STALE, UP, FleetMember
+from megarl.rollout.memory_gate import MemoryGate
 from megarl.rollout.results import GenerationResult
 from megarl.rollout.router import RouterError, RouterHandle, start_router
 from megarl.rollout.server_host import (
@@ -72,6 +82,7 @@ from megarl.rollout.weight_wire import lora_adapter_name
 # on GPUs it also gets devices=[per server, the UUID of each TP rank's GPU] (the tensor transport needs them).
 WeightSource = Callable[..., Any]
 T = TypeVar("T")
+STALL_POLL_S = 0.05  # how often the driver, waiting for a generation, looks for a stall to serve
 
 
 class GenerationInterrupted(RuntimeError):
@@ -120,6 +131,9 @@ class RolloutFleet:
         self.max_restarts, self.max_attempts, self.startup_timeout_s = max_restarts, max_attempts, startup_timeout_s
         self._weight_lock = threading.Lock()
         self._source: WeightSource | str | Path | None = None
+        self._resync_hook: Callable[[], Any] | None = None
+        self._stall: concurrent.futures.Future | None = None  # a generation waiting for the driver's re-sync
+        self._memory = MemoryGate()
         self._version, self._version_arg = spec.weight_version, None
         self._recoveries: set[asyncio.Task] = set()
         self._changed: asyncio.Event | None = None
@@ -162,7 +176,7 @@ class RolloutFleet:
         return self._version
 
     def status(self) -> list[dict[str, Any]]:
-        """Per server: index, url, pid, state (up/restarting/dead), restarts, failure."""
+        """Per server: index, url, pid, state (up/restarting/stale/dead), restarts, failure."""
         return [{"index": s.index, "url": s.url, "pid": s.pid, "state": s.state, "restarts": s.restarts,
                  "failure": s.failure} for s in self._servers]
 
@@ -188,15 +202,19 @@ class RolloutFleet:
         return self.seed * 100_003 + seed
 
     def run_generation(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run a generation `coroutine` on the fleet's event loop and wait for it; servers found dead before or
-        after are restarted. `stop_generating()` cancels it (GenerationInterrupted)."""
+        """Run a generation `coroutine` on the fleet's event loop and wait for it, on the driver's thread;
+        servers found dead before or after are restarted, restarted ones are re-synced first or when the
+        generation stalls for them (module docstring, "Faults"). `stop_generating()` cancels it
+        (GenerationInterrupted)."""
+        if self._stale():
+            self._resync()  # restarted servers back with the current weights before they are needed
         with self._generation_lock:
             if self._generation_stopped:
                 coroutine.close()
                 raise GenerationInterrupted("generation was stopped: the run is shutting down")
             self._generation = self._client.submit(self._checked(coroutine))
         try:
-            return self._generation.result()
+            return self._result_serving_stalls(self._generation)
         except concurrent.futures.CancelledError:
             raise GenerationInterrupted("generation was stopped: the run is shutting down") from None
         finally:
@@ -228,6 +246,23 @@ class RolloutFleet:
             if self._generation is not None:
                 self._generation.cancel()
 
+    def _result_serving_stalls(self, generation: concurrent.futures.Future) -> Any:
+        """The generation's results; meanwhile, whenever it stalls with no server left to serve but restarted
+        (stale) ones, this thread (the driver's) re-syncs them and lets it go on."""
+        while True:
+            try:
+                return generation.result(timeout=STALL_POLL_S)
+            except concurrent.futures.TimeoutError:
+                stall = self._stall
+                if stall is None or stall.done():
+                    continue
+                try:
+                    self._resync()
+                except BaseException as error:  # noqa: BLE001 - the waiting requests raise it
+                    stall.set_exception(error)
+                else:
+                    stall.set_result(None)
+
     async def _checked(self, coroutine: Coroutine[Any, Any, T]) -> T:
         # Checks before and after: a server may have died while idle, and the router
         # re-sends a dead worker's requests itself, so only a check can see that death.
@@ -242,33 +277,55 @@ class RolloutFleet:
         """Where current weights come from: `push(urls=..., version=...)`, or an HF checkpoint dir to load."""
         self._source = source
 
-    def sync_weights(self, *, version: Any) -> Any:
-        """Push the source's weights to every serving server under `version`; returns the source's result.
+    def set_resync(self, resync: Callable[[], Any]) -> None:
+        """How restarted (stale) servers get the current weights, called on the driver's thread (module
+        docstring, "Faults"); by default `resync_stale`. A colocated run wakes its actor around a full sync."""
+        self._resync_hook = resync
 
-        A server found dead meanwhile is restarted and re-synced to `version` in the background.
-        """
+    @property
+    def synced_version(self) -> Any:
+        """The version of the last `sync_weights` as it was given; None before the first."""
+        return self._version_arg
+
+    def sync_weights(self, *, version: Any) -> Any:
+        """Push the source's weights under `version` to every running server (serving, and restarted since
+        the last sync, which then serve); returns the source's result, {} when every server is restarting
+        (they are synced when they are back). A server found dead is taken out and restarted."""
         if self._source is None:
             raise RuntimeError("sync_weights: no weight source; call set_weight_source first")
         with self._weight_lock:
+            targets = self._running_urls()
             try:
-                result = self._push(self._serving(), version)
+                result = self._push(targets, version) if targets else {}
             except Exception:
                 if not self._client.run(self._check_all()):
                     raise
-                result = self._push(self._serving(), version)
+                targets = self._running_urls()
+                result = self._push(targets, version) if targets else {}
             self._version, self._version_arg = str(version), version
+            self._serve([server for server in self._servers if server.state == STALE and server.url in targets])
         return result
 
+    def resync_stale(self) -> None:
+        """Push the current version to the restarted (stale) servers alone, then let them serve."""
+        with self._weight_lock:
+            stale = [server for server in self._servers if server.state == STALE]
+            if stale:
+                self._push([server.url for server in stale], self._version_arg)
+                self._serve(stale)
+
     def release_memory(self, tags: list[str] | None = None) -> None:
-        """Free the serving servers' GPU memory of `tags` (weights, kv_cache, cuda_graph; all when None)
-        before the trainer uses the same GPUs; needs `enable_memory_saver` and no generation running."""
-        with RolloutClient(self._serving(), api_key=self.spec.api_key) as client:
-            client.release_memory_occupation(tags)
+        """Free the running servers' GPU memory of `tags` (weights, kv_cache, cuda_graph; all when None)
+        before the trainer uses the same GPUs; needs `enable_memory_saver` and no generation running. Waits
+        for a restart in progress first (it must let go of its memory too); none begins until `resume_memory`
+        has taken every tag back."""
+        self._memory.release(tags, timeout_s=self.startup_timeout_s)
+        self._memory_call(lambda client: client.release_memory_occupation(tags))
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         """Take the memory of `tags` back (all when None) before syncing weights (`weights`) and generating."""
-        with RolloutClient(self._serving(), api_key=self.spec.api_key) as client:
-            client.resume_memory_occupation(tags)
+        self._memory_call(lambda client: client.resume_memory_occupation(tags))
+        self._memory.resume(tags)
 
     def peak_memory_gb(self) -> float | None:
         """The largest peak resident memory of a CPU-engine server process; None for SGLang, whose memory is on
@@ -289,11 +346,43 @@ class RolloutFleet:
         """Block until no restart is in progress; False on timeout."""
         return self._client.run(self._await_recoveries(timeout_s))
 
-    def _serving(self) -> list[str]:
-        urls = self.urls
-        if not urls:
+    def _stale(self) -> list[FleetMember]:
+        return [server for server in self._servers if server.state == STALE]
+
+    def _running_urls(self) -> list[str]:
+        """Servers that take memory and weight calls: serving or stale. FleetError when none is left at all."""
+        if all(server.state == DEAD for server in self._servers):
             raise FleetError(self._obituary())
-        return urls
+        return [server.url for server in self._servers if server.state in (UP, STALE)]
+
+    def _resync(self) -> None:
+        (self._resync_hook or self.resync_stale)()
+
+    def _serve(self, servers: list[FleetMember]) -> None:
+        """Restarted servers that now hold the current weights serve again (driver thread)."""
+        for server in servers:
+            if self._router is not None:
+                self._router.add_worker(server.url)
+            server.state = UP
+        if servers:
+            self._client.run(self._notified())
+
+    async def _notified(self) -> None:
+        self._notify()
+
+    def _memory_call(self, call: Callable[[RolloutClient], Any]) -> None:
+        """`call` on every running server; one that fails because it died is taken out, the others get it again."""
+        for attempt in range(2):
+            urls = self._running_urls()
+            if not urls:
+                return
+            try:
+                with RolloutClient(urls, api_key=self.spec.api_key) as client:
+                    call(client)
+                return
+            except RolloutError:
+                if attempt or not self._client.run(self._check_all()):
+                    raise
 
     def _push(self, urls: list[str], version: Any) -> Any:
         if callable(self._source):
@@ -309,9 +398,13 @@ class RolloutFleet:
         while True:
             live = [server for server in self._servers if server.state == UP]
             if not live:
-                if all(server.state == DEAD for server in self._servers):
+                states = {server.state for server in self._servers}
+                if states == {DEAD}:
                     raise FleetError(self._obituary())
-                await self._wait_changed()
+                if STALE in states and RESTARTING not in states:
+                    await self._driver_resync()  # only the driver may push weights (module docstring)
+                else:
+                    await self._wait_changed()
                 continue
             target = self._router_target or min(live, key=lambda server: server.assigned)
             if target.slots is None:
@@ -331,6 +424,12 @@ class RolloutFleet:
     def release(self, target: Any) -> None:
         target.slots.release()
         target.assigned -= 1
+
+    async def _driver_resync(self) -> None:
+        """Wait for the driver's thread, parked in `generate`, to re-sync the stale servers."""
+        if self._stall is None or self._stall.done():
+            self._stall = concurrent.futures.Future()
+        await asyncio.wrap_future(self._stall)
 
     async def report_failure(self, target: Any, error: RolloutError) -> None:
         if isinstance(target, FleetMember):
@@ -359,8 +458,8 @@ class RolloutFleet:
         return f"rollout server {server.index} ({self.spec.backend})"
 
     async def _check_all(self) -> list[FleetMember]:
-        """Find serving servers that are dead and start their recovery; returns them."""
-        serving = [server for server in self._servers if server.state == UP]
+        """Find running (serving or stale) servers that are dead and start their recovery; returns them."""
+        serving = [server for server in self._servers if server.state in (UP, STALE)]
         alive = await asyncio.gather(*(asyncio.to_thread(server.alive) for server in serving))
         dead = [server for server, ok in zip(serving, alive) if not ok]
         for server in dead:
@@ -368,7 +467,7 @@ class RolloutFleet:
         return dead
 
     async def _mark_down(self, server: FleetMember, reason: str) -> None:
-        if server.state != UP:
+        if server.state not in (UP, STALE):
             return
         if server.restarts >= self.max_restarts:
             server.state = DEAD
@@ -389,32 +488,29 @@ class RolloutFleet:
                 # restarted server usually comes back on the same URL, which re-registering checks.
                 with contextlib.suppress(RouterError):
                     await asyncio.to_thread(self._router.remove_worker, server.url)
-            await asyncio.to_thread(server.start, restart=True)
-            await asyncio.to_thread(server.wait_ready, timeout_s=self.startup_timeout_s, what=self._what(server),
-                                    api_key=self.spec.api_key)
-            await asyncio.to_thread(self._resync_and_serve, server)
+            # Colocated: not while the trainer uses the devices (the fleet's memory is released then).
+            # However long the trainer's phases last: the restart waits for their end.
+            await asyncio.to_thread(self._memory.begin_start, timeout_s=None, stop=lambda: self._closed)
+            try:
+                await asyncio.to_thread(server.start, restart=True)
+                await asyncio.to_thread(server.wait_ready, timeout_s=self.startup_timeout_s,
+                                        what=self._what(server), api_key=self.spec.api_key)
+                if self._closed:
+                    raise FleetError("fleet shut down during the restart")
+                if self._version_arg is None:  # nothing synced yet: the checkpoint it loaded is current
+                    if self._router is not None:
+                        await asyncio.to_thread(self._router.add_worker, server.url)
+                    server.state = UP
+                else:
+                    server.state = STALE
+            finally:
+                self._memory.end_start()
         except Exception as error:  # noqa: BLE001 - a failed restart retires the server, the others go on
             server.state = DEAD
             tail = await asyncio.to_thread(server.log_tail)
             server.failure = f"{reason}; restart {server.restarts} failed: {error}; log tail:\n{tail}"
         finally:
             self._notify()
-
-    def _resync_and_serve(self, server: FleetMember) -> None:
-        """Load the current weights into a restarted server, check its version, then let it serve."""
-        # Under the weight lock: a sync cannot slip in between this push and the server joining `urls`.
-        with self._weight_lock:
-            if self._closed:
-                raise FleetError("fleet shut down during the restart")
-            if self._version_arg is not None:
-                self._push([server.url], self._version_arg)
-                reported = server.model_info(self.spec.api_key).get("weight_version")
-                if reported != self._version:
-                    raise FleetError(f"re-sync of {server.url}: it reports weight_version {reported!r}, "
-                                     f"expected {self._version!r}")
-            if self._router is not None:
-                self._router.add_worker(server.url)
-            server.state = UP
 
     def _obituary(self) -> str:
         lines = [f"no rollout server is serving ({len(self._servers)} started):"]
@@ -445,6 +541,7 @@ class RolloutFleet:
         if self._closed:
             return
         self._closed = True
+        self._memory.wake()  # a restart waiting for the memory gives up
         if self._router is not None:
             self._router.stop()
         for server in self._servers:

@@ -27,6 +27,9 @@ from megarl.rollout.server import ServerStartError, wait_healthy
 from megarl.rollout.server_host import ServerHost
 
 UP, STARTING, RESTARTING, DEAD = "up", "starting", "restarting", "dead"
+# Restarted and running, but without the current weights yet: it takes part in memory and weight calls and
+# generates nothing until the driver has synced it (see `RolloutFleet`, "Faults").
+STALE = "stale"
 # uvicorn: "[Errno 98] ... address already in use"; other servers: "port N is already in use".
 PORT_TAKEN = re.compile(r"address already in use|port \d+ is (already )?in use", re.IGNORECASE)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from megarl.ports import free_port, port_is_free
+from megarl.ports import free_port, node_address, port_is_free
 from megarl.rollout.server import (
     LOG_TAIL_CHARS,
     ServerHandle,
@@ -44,7 +44,7 @@ class ServerSpec:
     model_path: str
     log_dir: str
     api_key: str | None = None
-    bind: str = "loopback"  # "loopback", "node" (the node's address, from Ray) or an explicit address
+    bind: str = "loopback"  # "loopback", "node" (the node's address: megarl.ports.node_address) or an address
     port: int | None = None  # server i first tries port + i; None: any free port
     weight_version: str = "default"
     tokenizer_path: str | None = None
@@ -72,9 +72,7 @@ def bind_address(bind: str) -> str:
     if bind in ("loopback", "localhost", LOOPBACK):
         return LOOPBACK
     if bind == "node":
-        import ray.util
-
-        return ray.util.get_node_ip_address()
+        return node_address()
     return bind
 
 

@@ -24,6 +24,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from megarl.ports import NODE_IFACE_ENV, node_address
 from megarl.submit.ray_ports import block_for, busy_ports
 
 # Mismatched builds of these across nodes fail late and obscurely (pickled tensors, NCCL, Ray protocol).
@@ -124,27 +125,13 @@ def reach(address: str, *, timeout_s: float) -> str | None:
     return error
 
 
-RAY_IFACE_ENV = "MEGARL_RAY_IFACE"
-_SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of a network interface
-
-
 def head_ip() -> str:
     """The address the Ray head advertises: the IPv4 address of $MEGARL_RAY_IFACE if set, else Ray's own pick.
 
     Ray picks the interface of the default route, which on a cluster may be the
     wrong network or, without a default route, loopback.
     """
-    interface = os.environ.get(RAY_IFACE_ENV)
-    if not interface:
-        import ray.util
-
-        return ray.util.get_node_ip_address()
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        request = struct.pack("256s", interface.encode()[:15])
-        return socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)[20:24])
+    return node_address()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--nodes", required=True, help="the job's node names, head first, space separated")
     check.add_argument("--device", choices=["cuda", "cpu"], required=True)
     check.add_argument("--gpus-per-node", type=int, required=True)
-    verbs.add_parser("head-ip", help=f"print the address the Ray head should advertise (${RAY_IFACE_ENV})")
+    verbs.add_parser("head-ip", help=f"print the address the Ray head should advertise (${NODE_IFACE_ENV})")
     head = verbs.add_parser("reach", help="wait until the Ray head's port answers from this node")
     head.add_argument("--address", required=True)
     head.add_argument("--timeout", type=float, default=120.0)
@@ -178,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(head_ip())
         except OSError as error:
-            print(f"preflight: node {node_name()}: {RAY_IFACE_ENV}={os.environ[RAY_IFACE_ENV]}: no IPv4 address "
+            print(f"preflight: node {node_name()}: {NODE_IFACE_ENV}={os.environ[NODE_IFACE_ENV]}: no IPv4 address "
                   f"({error.strerror})", file=sys.stderr)
             return 1
         return 0

@@ -34,7 +34,6 @@ bucket), so a server applies bucket k while bucket k+1 is on the wire.
 from __future__ import annotations
 
 import secrets
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +43,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from megarl.ports import free_port
+from megarl.ports import free_port, node_address
 from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.weight_wire import wire_dtype
@@ -180,7 +179,7 @@ def _master_address(urls: list[str]) -> str:
     """Loopback when every server is local, else this node's address (what the servers can reach)."""
     if all(urlparse(url).hostname in _LOOPBACK for url in urls):
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    return node_address()
 
 
 
