@@ -7,7 +7,7 @@
 #   launch/local.sh RECIPE [--set KEY=VALUE ...]
 #
 # MEGARL_PYTHON picks the interpreter (default: python3 on PATH); the recipe's cluster.env is exported.
-# Logs: <run dir>/logs/ray-head-<host>.log and <run dir>/logs/ray-<host>/ (Ray's own logs).
+# Logs: <run dir>/logs/ray-head-<host>-local.log and <run dir>/logs/ray-<host>-local/ (Ray's own logs).
 set -uo pipefail
 if [ $# -lt 1 ] || [ "${1:0:1}" = - ]; then
     echo "usage: launch/local.sh RECIPE [--set KEY=VALUE ...]" >&2
@@ -23,21 +23,22 @@ shift
 
 job=$("$MEGARL_PYTHON" -m megarl.submit.local "$recipe" "$@") || exit $?
 eval "$job"
-eval "$("$MEGARL_PYTHON" -m megarl.submit.ray_ports --seed $$ --free)" || exit 1
+eval "$("$MEGARL_PYTHON" -m megarl.cluster.ray_ports --seed $$ --free)" || exit 1
 host=$(hostname -s)
 export MEGARL_LOG_DIR=$MEGARL_RUN_DIR/logs
 mkdir -p "$MEGARL_LOG_DIR"
 MEGARL_RAY_TMPDIR=$(mktemp -d /tmp/megarl-ray-XXXXXX) || exit 1
 export MEGARL_RAY_TMPDIR
-export MEGARL_TERM_GRACE_S=${MEGARL_TERM_GRACE_S:-240}
+export MEGARL_ATTEMPT=local
 # One machine: Ray stays on loopback, out of reach of other hosts.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 MEGARL_HEAD_IP=127.0.0.1
 export MEGARL_RAY_ADDRESS=$MEGARL_HEAD_IP:$MEGARL_RAY_GCS_PORT
-# Ray's drain-on-SIGTERM waits for Serve replicas (none here) and, when the GCS got the same SIGTERM,
-# for a GCS that is gone: 30 s of nothing per node at teardown.
-export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0
+# A SIGTERM to this script's process group (a shell's job control) reaches Ray too: only the driver
+# acts on it (see slurm/ray-cluster.sh).
+export MEGARL_SHIELD_SIGTERM=1
 export RAY_USAGE_STATS_ENABLED=0 RAY_enable_metrics_collection=0 RAY_AUTH_MODE=token
-RAY_AUTH_TOKEN=$("$MEGARL_PYTHON" -c 'import secrets; print(secrets.token_hex(32))') || exit 1
+# The token lives in the environment of this job's processes only, never on a command line.
+RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n') || exit 1
 export RAY_AUTH_TOKEN
 
 trap megarl_on_term TERM INT
@@ -49,17 +50,19 @@ trap megarl_teardown EXIT
     --gpus-per-node "$MEGARL_GPUS_PER_NODE" <"$MEGARL_LOG_DIR/preflight-local.jsonl" || exit 1
 
 megarl_log "ray head at $MEGARL_RAY_ADDRESS (temp dir $MEGARL_RAY_TMPDIR)"
-megarl_ray_node head >"$MEGARL_LOG_DIR/ray-head-$host.log" 2>&1 &
+megarl_ray_node head >"$MEGARL_LOG_DIR/ray-head-$host-local.log" 2>&1 &
 MEGARL_HEAD_PID=$!
+MEGARL_WATCH_PIDS=$MEGARL_HEAD_PID
 megarl_step "$MEGARL_PYTHON" -m megarl.submit.registration --address "$MEGARL_RAY_ADDRESS" --nodes 1 \
     --device "$MEGARL_DEVICE" --per-node "$MEGARL_GPUS_PER_NODE" --hosts "$host" --log-dir "$MEGARL_LOG_DIR" \
-    --watch-pid "$MEGARL_HEAD_PID" --timeout 300 || exit 1
+    --attempt local --timeout 300 || exit 1
+MEGARL_WATCH_PIDS=
 
 megarl_log "driver: megarl train $recipe --ray-address $MEGARL_RAY_ADDRESS $*"
 "$MEGARL_PYTHON" -m megarl train "$recipe" --ray-address "$MEGARL_RAY_ADDRESS" "$@" &
 MEGARL_DRIVER_PID=$!
 megarl_wait "$MEGARL_DRIVER_PID"
 rc=$?
-MEGARL_DRIVER_PID=
+MEGARL_DRIVER_DONE=1
 megarl_log "driver exited with status $rc${MEGARL_TERM_AT:+ after SIGTERM}"
 exit "$rc"

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from megarl.errors import InputError, storage_problem
+from megarl.quiet import VERBOSE_ENV, quiet_third_parties
+
+# A run's complete step directory holds this file (`controller.checkpointing.MARKER`; not imported: it needs Ray).
+STEP_MARKER = "COMPLETE.json"
 
 EXIT_BAD_INPUT = 2
 
@@ -122,7 +127,19 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _role_checkpoint(path: Path, role: str) -> Path:
+    """The checkpoint to export: `path` itself, or its `role/` when `path` is a run's step directory
+    (`checkpoints/step_<N>`, one checkpoint per role inside)."""
+    if not (path / STEP_MARKER).is_file():
+        return path
+    if not (path / role).is_dir():
+        roles = sorted(child.name for child in path.iterdir() if child.is_dir())
+        raise InputError(f"--role: {path} holds no checkpoint of role {role!r}; it holds {', '.join(roles) or 'none'}")
+    return path / role
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
+    args.checkpoint = _role_checkpoint(args.checkpoint.expanduser(), args.role)
     if args.lora is not None:
         from megarl.engines.lora_export import export_peft
 
@@ -139,6 +156,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    if args.markdown:
+        from megarl.config.reference import recipe_reference
+
+        sys.stdout.write(recipe_reference())
+        return 0
     from megarl.config import recipe_json_schema
 
     print(json.dumps(recipe_json_schema(), indent=2))
@@ -162,6 +184,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="also show the third-party warnings and progress "
+                        "bars megarl hides by default (megarl.quiet)")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     validate = verbs.add_parser("validate", help="resolve and check a recipe and the files it names, print it")
@@ -223,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl "
                               "checkpoint, or a LoRA checkpoint's PEFT adapter")
-    export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")
+    export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout), or "
+                        "a run's step dir (checkpoints/step_<N>): then its --role")
+    export.add_argument("--role", default="actor", help="the role to export from a step dir (default: actor; a "
+                        "reward model's own checkpoint is its reward_model.path)")
     output = export.add_mutually_exclusive_group(required=True)
     output.add_argument("--hf", type=Path, help="output directory for the HF checkpoint")
     output.add_argument("--lora", type=Path, help="a LoRA checkpoint's adapters as a PEFT adapter dir "
@@ -233,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(run=_cmd_export)
 
     schema = verbs.add_parser("schema", help="print the recipe JSON Schema")
+    schema.add_argument("--markdown", action="store_true",
+                        help="print it as the Markdown recipe reference instead (docs/recipe.md)")
     schema.set_defaults(run=_cmd_schema)
 
     preprocess = verbs.add_parser("preprocess", help="turn local GSM8K/MATH files into train/test parquet")
@@ -254,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_third_parties()
     try:
         return args.run(args)
     except InputError as error:

@@ -2,24 +2,55 @@
 # renders from slurm/megarl.sbatch, and sourced by launch/local.sh. Everything is stopped by the PID
 # this script started it under, never by name (`ray stop` and `pkill ray` hit other jobs' Ray).
 #
-# Reads: MEGARL_PYTHON, MEGARL_DEVICE (cuda|cpu), MEGARL_GPUS_PER_NODE, MEGARL_LOG_DIR,
-# MEGARL_RAY_TMPDIR (node-local, one per job), MEGARL_TERM_GRACE_S, the port block exported by
-# `python -m megarl.submit.ray_ports`, and MEGARL_HEAD_IP (head) or MEGARL_RAY_ADDRESS (workers).
+# Reads: MEGARL_PYTHON, MEGARL_CONTAINER_EXEC (a command prefix such as `apptainer exec ... IMAGE`, or
+# empty), MEGARL_DEVICE (cuda|cpu), MEGARL_GPUS_PER_NODE, MEGARL_LOG_DIR, MEGARL_ATTEMPT (names this
+# start's log files), MEGARL_RAY_TMPDIR (node-local, one per job), MEGARL_TERM_GRACE_S,
+# MEGARL_TEARDOWN_S, the port block exported by `python -m megarl.cluster.ray_ports`, and
+# MEGARL_HEAD_IP (head) or MEGARL_RAY_ADDRESS (workers).
+#
+# Signals. Only the driver may act on a SIGTERM: it writes a checkpoint, then stops what it started.
+# Slurm, when it preempts or cancels a job with a grace time, signals every process of every job step
+# at once, so each Ray node runs shielded (`python -m megarl.processes shield`: its own session, SIGTERM
+# and SIGUSR2 blocked; megarl's Ray actors ignore SIGTERM, `megarl.processes.shield_ray_actor`). The shell that
+# started the node still gets the SIGTERM and tells the batch script (SIGUSR1), which forwards it to
+# the driver. The batch script stops a node with SIGUSR2; the node then SIGKILLs every process it
+# started: the Ray node's session, everything below it (it is a child subreaper) and whatever carries
+# its mark (MEGARL_PROCESS_MARK).
 
 megarl_log() {
     echo "megarl-launch $(date '+%F %T'): $*"
 }
 
-# Run Ray on this node until SIGTERM, then keep its logs in MEGARL_LOG_DIR/ray-<node>/ and remove
-# the node's Ray temp dir. ROLE is head or worker. One srun task per node runs this on Slurm.
+# The interpreter, inside the job's container when there is one (pyxis containers wrap srun instead).
+megarl_python() {
+    # shellcheck disable=SC2086  # MEGARL_CONTAINER_EXEC is a command prefix: word splitting wanted
+    ${MEGARL_CONTAINER_EXEC:-} "$MEGARL_PYTHON" "$@"
+}
+
+# Run Ray on this node until the batch script stops it (SIGUSR2), then keep its logs in
+# MEGARL_LOG_DIR/ray-<node>-<attempt>/ and remove the node's Ray temp dir. ROLE is head or worker.
+# A `ray start` that fails within its first MEGARL_RAY_START_WINDOW_S seconds (a port raced away, a
+# slow file system, a daemon that came up too late) is tried again, up to three times. One srun task
+# per node runs this on Slurm.
 megarl_ray_node() {
-    local role=$1 node=${SLURMD_NODENAME:-$(hostname -s)} pid rc
+    local role=$1 node=${SLURMD_NODENAME:-$(hostname -s)} pid rc=0 try started ip
     local cpus=${SLURM_CPUS_ON_NODE:-$(nproc)}
+    local mark="ray-${MEGARL_ATTEMPT:-local}-$node"
+    # One temp dir per node under the job's, should two nodes share a /tmp (short: Ray's socket paths are).
+    local tmpdir
+    tmpdir=$MEGARL_RAY_TMPDIR/$(printf %s "$node" | cksum | cut -d' ' -f1)
+    MEGARL_RAY_STOPPING=
     # On CPU a device is a process slot: Ray must offer at least one CPU per slot.
     if [ "$MEGARL_DEVICE" = cpu ] && [ "$cpus" -lt "$MEGARL_GPUS_PER_NODE" ]; then
         cpus=$MEGARL_GPUS_PER_NODE
     fi
-    local args=(start --block --disable-usage-stats --temp-dir="$MEGARL_RAY_TMPDIR" --num-cpus="$cpus"
+    # This node's own address (the interface cluster.env names, else Ray's pick), resolved here, on it.
+    ip=${MEGARL_HEAD_IP:-}
+    if [ "$role" != head ]; then
+        ip=$(megarl_python -m megarl.submit.preflight node-ip) || return 1
+    fi
+    local args=(start --block --disable-usage-stats --temp-dir="$tmpdir" --num-cpus="$cpus"
+        --node-ip-address="$ip"
         --node-manager-port="$MEGARL_RAY_NODE_MANAGER_PORT"
         --object-manager-port="$MEGARL_RAY_OBJECT_MANAGER_PORT"
         --min-worker-port="$MEGARL_RAY_MIN_WORKER_PORT" --max-worker-port="$MEGARL_RAY_MAX_WORKER_PORT"
@@ -31,43 +62,80 @@ megarl_ray_node() {
         args+=(--num-gpus="$MEGARL_GPUS_PER_NODE")
     fi
     if [ "$role" = head ]; then
-        args+=(--head --node-ip-address="$MEGARL_HEAD_IP" --port="$MEGARL_RAY_GCS_PORT"
-            --ray-client-server-port="$MEGARL_RAY_CLIENT_SERVER_PORT" --include-dashboard=false)
+        args+=(--head --port="$MEGARL_RAY_GCS_PORT" --ray-client-server-port="$MEGARL_RAY_CLIENT_SERVER_PORT"
+            --include-dashboard=false)
     else
         args+=(--address="$MEGARL_RAY_ADDRESS")
     fi
-    megarl_log "ray $role on $node: ray ${args[*]}"
-    "$MEGARL_PYTHON" -m ray.scripts.scripts "${args[@]}" &
-    pid=$!
-    # Slurm signals every process of the step at once; this trap only keeps the shell alive long
-    # enough to wait for Ray and clean up after it.
-    trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
-    wait "$pid"
-    rc=$?
-    while kill -0 "$pid" 2>/dev/null; do
+    trap megarl_node_signalled TERM
+    trap 'MEGARL_RAY_STOPPING=1' USR2
+    for try in 1 2 3; do
+        megarl_log "ray $role on $node ($ip), try $try: ray ${args[*]}"
+        # shellcheck disable=SC2086
+        MEGARL_PROCESS_MARK=$mark ${MEGARL_CONTAINER_EXEC:-} "$MEGARL_PYTHON" -m megarl.processes shield \
+            "$MEGARL_PYTHON" -m ray.scripts.scripts "${args[@]}" &
+        pid=$!
+        started=$SECONDS
+        while kill -0 "$pid" 2>/dev/null && [ -z "$MEGARL_RAY_STOPPING" ]; do
+            sleep 0.5 &
+            wait $!
+        done
+        if [ -n "$MEGARL_RAY_STOPPING" ]; then
+            rc=0
+            break
+        fi
         wait "$pid"
         rc=$?
+        megarl_python -m megarl.processes sweep "$mark" "$pid"
+        if [ "$rc" -eq 0 ] || [ $((SECONDS - started)) -ge "${MEGARL_RAY_START_WINDOW_S:-300}" ] || [ "$try" -eq 3 ]; then
+            break
+        fi
+        megarl_log "ray $role on $node exited with status $rc during start-up: trying again"
+        sleep 2
     done
-    trap - TERM INT
-    if [ -d "$MEGARL_RAY_TMPDIR/session_latest/logs" ]; then
-        mkdir -p "$MEGARL_LOG_DIR/ray-$node"
-        cp -r "$MEGARL_RAY_TMPDIR/session_latest/logs/." "$MEGARL_LOG_DIR/ray-$node/"
+    trap '' TERM USR2  # nothing interrupts the clean-up below
+    # Everything this node started (Ray's daemons and workers, their children, the rollout servers) is
+    # found (session, descendants, mark) and SIGKILLed: the driver, which needed them, has exited.
+    # (Inside the braces bash's "Killed" notice for the node's own process goes to /dev/null too.)
+    { megarl_python -m megarl.processes sweep "$mark" "$pid"; wait "$pid"; } 2>/dev/null
+    if [ -d "$tmpdir/session_latest/logs" ]; then
+        mkdir -p "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT"
+        cp -r "$tmpdir/session_latest/logs/." "$MEGARL_LOG_DIR/ray-$node-$MEGARL_ATTEMPT/"
     fi
-    rm -rf "$MEGARL_RAY_TMPDIR"
+    rm -rf "$tmpdir"
+    rmdir "$MEGARL_RAY_TMPDIR" 2>/dev/null  # the last node out on a shared /tmp removes the job's dir
     megarl_log "ray $role on $node stopped (status $rc)"
     return "$rc"
 }
 
+# A Ray node's step got SIGTERM (Slurm preempts or cancels the job): Ray keeps running; the batch
+# script hears of it (SIGUSR1) and forwards a SIGTERM to the driver, which checkpoints.
+megarl_node_signalled() {
+    if [ -n "${MEGARL_SLURM_JOB:-}" ]; then
+        megarl_log "ray node on ${SLURMD_NODENAME:-$(hostname -s)}: SIGTERM from Slurm; telling the batch script"
+        scancel --batch --signal=USR1 "$SLURM_JOB_ID"
+    fi
+}
+
 # Wait for background PID and return its status, handling trapped signals at once (a plain
 # `wait` on a long command delays the SIGTERM trap until the command ends). Once a SIGTERM has been
-# forwarded (MEGARL_TERM_AT set), PID gets SIGKILL after MEGARL_TERM_GRACE_S seconds.
+# forwarded (MEGARL_TERM_AT set), PID gets SIGKILL after MEGARL_TERM_GRACE_S seconds. While waiting,
+# a Ray node step among MEGARL_WATCH_PIDS that exits fails the wait (status 1) at once.
 megarl_wait() {
-    local pid=$1
+    local pid=$1 watched
     while kill -0 "$pid" 2>/dev/null; do
         if [ -n "${MEGARL_TERM_AT:-}" ] && [ $((SECONDS - MEGARL_TERM_AT)) -ge "$MEGARL_TERM_GRACE_S" ]; then
             megarl_log "pid $pid still running ${MEGARL_TERM_GRACE_S}s after SIGTERM: SIGKILL"
             kill -KILL "$pid" 2>/dev/null
         fi
+        for watched in ${MEGARL_WATCH_PIDS:-}; do
+            if ! kill -0 "$watched" 2>/dev/null; then
+                megarl_log "a Ray node step (pid $watched) exited; see $MEGARL_LOG_DIR/ray-*-$MEGARL_ATTEMPT.log"
+                kill -TERM "$pid" 2>/dev/null
+                wait "$pid" 2>/dev/null
+                return 1
+            fi
+        done
         sleep 0.2 &
         wait $!
     done
@@ -107,36 +175,58 @@ megarl_stop_pid() {
     return 0
 }
 
-# Stop the Ray node(s) started in the background as PID (NAME: their Slurm step name). Here a plain
-# SIGTERM to PID; megarl.sbatch redefines it to reach every node of the step.
+# Stop the Ray node(s) started in the background as PID (NAME: their Slurm step name): SIGUSR2 to
+# the node's shell. Here PID is that shell; megarl.sbatch redefines this to reach every node of the step.
 megarl_stop_ray() {
-    megarl_stop_pid "$1" 60 "$3"
+    megarl_stop_pid "$1" "$MEGARL_TEARDOWN_S" "$3" kill -USR2 "$1"
 }
 
-# SIGTERM (Slurm's preemption / time-limit warning) or SIGINT: the driver gets it so the run can
-# write a checkpoint and exit; before the driver runs there is nothing to save, so just tear down.
-megarl_on_term() {
-    if [ -n "${MEGARL_DRIVER_PID:-}" ] && kill -0 "$MEGARL_DRIVER_PID" 2>/dev/null; then
-        megarl_log "SIGTERM: forwarded to the driver (pid $MEGARL_DRIVER_PID) to checkpoint and exit;" \
+# Forward one stop request to the driver, once: the driver checkpoints and exits; a second SIGTERM
+# would make it stop at once, without one. Before the driver runs there is nothing to save; once it has
+# exited, its status stands.
+megarl_forward_stop() {
+    local why=$1
+    if [ -n "${MEGARL_TERM_AT:-}" ]; then
+        megarl_log "$why: the driver was already told to stop $((SECONDS - MEGARL_TERM_AT))s ago"
+    elif [ -n "${MEGARL_DRIVER_DONE:-}" ]; then
+        megarl_log "$why: the driver has exited already"
+    elif [ -n "${MEGARL_DRIVER_PID:-}" ]; then
+        MEGARL_TERM_AT=$SECONDS  # first: a second request may interrupt this handler at its next command
+        megarl_signal_driver
+        megarl_log "$why: forwarded to the driver (pid $MEGARL_DRIVER_PID) to checkpoint and exit;" \
             "SIGKILL in ${MEGARL_TERM_GRACE_S}s"
-        MEGARL_TERM_AT=${MEGARL_TERM_AT:-$SECONDS}
-        kill -TERM "$MEGARL_DRIVER_PID" 2>/dev/null
     else
-        megarl_log "SIGTERM before the driver started: tearing down"
+        megarl_log "$why before the driver started: tearing down"
         exit 143
     fi
+}
+
+# SIGTERM to the driver. megarl.sbatch redefines this where the driver runs as a job step (pyxis).
+megarl_signal_driver() {
+    kill -TERM "$MEGARL_DRIVER_PID" 2>/dev/null
+}
+
+# SIGTERM (Slurm's time-limit warning, `megarl submit --cancel`, a shell's job control) or SIGINT.
+megarl_on_term() {
+    megarl_forward_stop SIGTERM
 }
 
 # EXIT trap: stop the driver, any bring-up step, the workers, then the head; keep the exit status.
 megarl_teardown() {
     local rc=$?
-    trap '' TERM INT
+    trap '' TERM INT USR1
     if [ -n "${MEGARL_DRIVER_PID:-}" ]; then megarl_stop_pid "$MEGARL_DRIVER_PID" 30 "the driver"; fi
     if [ -n "${MEGARL_STEP_PID:-}" ]; then megarl_stop_pid "$MEGARL_STEP_PID" 10 "a bring-up step"; fi
     if [ -n "${MEGARL_WORKERS_PID:-}" ]; then
         megarl_stop_ray "$MEGARL_WORKERS_PID" megarl-ray-workers "the Ray workers"
     fi
     if [ -n "${MEGARL_HEAD_PID:-}" ]; then megarl_stop_ray "$MEGARL_HEAD_PID" megarl-ray-head "the Ray head"; fi
+    megarl_after_teardown "$rc"
     megarl_log "torn down; exit status $rc"
     exit "$rc"
+}
+
+# Called with the exit status once everything is stopped; megarl.sbatch redefines it (requeue).
+megarl_after_teardown() {
+    return 0
 }

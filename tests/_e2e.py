@@ -2,8 +2,9 @@
 `grpo_reference` and `ppo_reference`), the contract tests check what a run logs and writes on it, and
 test_e2e_resume resumes copies of it, which must reproduce it.
 
-The GRPO run's processes are watched: its API key is fixed by the test, and no command line on
-the machine may show it while the run lasts.
+The GRPO run is watched: its API key is fixed by the test, and no command line on the machine
+may show it while the run lasts; its progress goes to the console, which is a file here (its
+stderr, kept in `Run.stderr`).
 
 Both are 4 steps with a checkpoint after every step (the 3 newest kept, so step 1's is pruned), validation
 every 2 steps, sample rows written and a short warm-up; the entropy bonus makes sure every update moves the
@@ -12,6 +13,8 @@ actor (and with it the next step's samples).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import threading
 from dataclasses import dataclass, field
@@ -21,8 +24,8 @@ from types import SimpleNamespace
 import pytest
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-STEPS = 4
-SHORT = ["trainer.logging.console=false", "sft_warmup.steps=5", "sft_warmup.batch_size=32",
+STEPS, WARMUP_STEPS = 4, 5
+SHORT = ["trainer.logging.console=false", f"sft_warmup.steps={WARMUP_STEPS}", "sft_warmup.batch_size=32",
          "data.synthetic.num_val=16", f"trainer.total_steps={STEPS}", "trainer.val_every=2", "actor.entropy_coeff=0.01",
          "trainer.checkpoint.save_every=1", "trainer.checkpoint.keep_last=3", "trainer.samples.train_rows=2",
          "trainer.samples.val_rows=4"]
@@ -85,6 +88,7 @@ class Run:
     overrides: tuple[str, ...]
     run_dir: Path
     watched: CommandLines | None = field(default=None, compare=False)
+    stderr: str = field(default="", compare=False)
 
     def records(self) -> list[dict]:
         return records(self.run_dir)
@@ -100,14 +104,15 @@ class Run:
 
 def reference_run(recipe: str, overrides: list[str], output_dir: Path, *, watch: bool = False) -> Run:
     """Run `recipe` with SHORT and `overrides` as run "full" in `output_dir`; with `watch`, under API_KEY and
-    with every command line watched for it (`Run.watched`)."""
+    with every command line watched for it (`Run.watched`), its progress on the console (`Run.stderr`)."""
     run = Run(recipe, (*SHORT, *overrides), output_dir / "full")
     if not watch:
         assert run.train(output_dir, "full") == run.run_dir
         return run
     import megarl.controller.run as run_module
 
-    with pytest.MonkeyPatch.context() as patch, CommandLines(API_KEY) as lines:
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, CommandLines(API_KEY) as lines, contextlib.redirect_stderr(err):
         patch.setattr(run_module, "secrets", SimpleNamespace(token_hex=lambda nbytes: API_KEY))
-        assert run.train(output_dir, "full") == run.run_dir
-    return Run(run.recipe, run.overrides, run.run_dir, lines)
+        assert run.train(output_dir, "full", "trainer.logging.console=true") == run.run_dir
+    return Run(run.recipe, run.overrides, run.run_dir, lines, err.getvalue())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-# Multi-process tests on 2 cores swing wildly without this (PLATFORM.md).
+# Multi-process tests on 2 cores swing wildly without this (step times 60x apart).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

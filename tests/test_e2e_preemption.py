@@ -1,15 +1,18 @@
 """End to end: `megarl train` as its own process, stopped by SIGTERM, by Ctrl-C and by SIGKILL, then resumed.
 
 One run directory goes through four lives:
-1. SIGTERM to the driver alone (what a Slurm batch script forwards) while step 2 generates:
-   the step is abandoned, the state after step 1 is checkpointed, exit status 75.
+1. SIGTERM to the driver's whole process group (what a shell's job control, a container runtime
+   or Slurm's step signalling send) while step 2 generates: the step is abandoned, the state after
+   step 1 is checkpointed, exit status 75 within the stop budget. Ray's processes, in a session of
+   their own, outlive the signal until the driver has saved and stops them.
 2. Resumed; SIGINT to the whole process group (a Ctrl-C in a terminal) while step 3
    updates the actor: the step is finished and checkpointed, exit status 75. Ray's workers
    get the SIGINT too and must survive it until the driver has saved.
 3. Resumed; SIGKILL while the checkpoint of step 4 is being written: the previous
    checkpoint stays complete, the half-written one has no marker.
 4. Resumed in this process: the half-written checkpoint is removed, step 4 is redone.
-After each life no process the run started is left, and no shared-memory file of theirs.
+After each life no process the run started is left (the multiprocessing children of Ray's
+workers included), and no shared-memory file of theirs.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from megarl.controller.run import train
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 REPO = Path(__file__).resolve().parents[1]
+PREEMPT_TIMEOUT_S = 120  # the stop budget: a stopped run checkpoints and exits within it
 # One request at a time per server: generation takes long enough to be caught in the act.
 SETTINGS = ["trainer.total_steps=4", "trainer.val_every=0", "sft_warmup.steps=5", "sft_warmup.batch_size=32",
             "data.synthetic.num_val=16", "data.train_batch_size=8", "rollout.n=4", "rollout.max_concurrency=1",
             "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=8", "actor.entropy_coeff=0.01",
-            "trainer.checkpoint.save_every=0", "trainer.checkpoint.keep_last=0", "trainer.logging.console=false"]
+            "trainer.checkpoint.save_every=0", "trainer.checkpoint.keep_last=0", "trainer.logging.console=false",
+            f"trainer.checkpoint.preempt_timeout_s={PREEMPT_TIMEOUT_S}"]
 TORCH_SHM = re.compile(r"torch_(\d+)_")
 
 
@@ -137,12 +142,14 @@ def _steps_logged(run_dir: Path) -> list[int]:
 def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(ray_session, tmp_path):
     run_dir = tmp_path / "run"
 
-    # 1. SIGTERM to the driver while step 2 generates.
+    # 1. SIGTERM to the driver's process group while step 2 generates.
     driver = Driver(tmp_path, tmp_path / "life1.log")
     try:
         driver.watch(_phase_started(run_dir, 2, "gen"))
-        driver.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        os.killpg(driver.process.pid, signal.SIGTERM)
         assert driver.wait() == EXIT_PREEMPTED, driver.output()
+        assert time.monotonic() - signalled < PREEMPT_TIMEOUT_S
     finally:
         alive, shm = driver.leftovers()
         driver.kill_leftovers()

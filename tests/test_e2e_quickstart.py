@@ -1,11 +1,12 @@
 """End to end: `megarl train` on the quickstart recipe (shortened), on the session's Ray cluster.
 
 Checks the contract of a run on the session's shortened GRPO run (tests/_e2e.py):
-every timing key and metric name of DESIGN.md §5 that the recipe's phases produce,
+every timing key and metric name of docs/metrics.md that the recipe's phases produce,
 files in the run dir, and that weight sync is verified by `rollout/logprob_diff` ~ 0
 right after each sync (the CPU engine really drops its weights while the engines
-train, so a sync that missed a tensor shows); that no process of the run holds its
-API key on its command line; and that GRPO improves the training score. That a fixed
+train, so a sync that missed a tensor shows); the progress it writes into a file (no
+terminal) and its controller.log; that no process of the run holds its API key on its
+command line; and that GRPO improves the training score. That a fixed
 seed reproduces the run, also with the sleep/wake cycle switched off, is checked by
 test_e2e_resume on the same run.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from _e2e import STEPS, WARMUP_STEPS
 import pytest
 
 from megarl.config import load_recipe
@@ -46,6 +48,29 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
     return _records(train(recipe))
 
 
+def _check_the_log_of_a_file(err: str, run_dir: Path) -> None:
+    """stderr went to a file (no terminal): the banner, the warm-up's progress and its end, then exactly one
+    plain line per step; controller.log has the banner, the warm-up's end and each validation."""
+    lines = err.splitlines()
+    warmup, total = WARMUP_STEPS, STEPS
+    warmup_limit = f"at most {warmup}" if load_recipe(QUICKSTART).sft_warmup.stop_loss is not None else f"{warmup}"
+    start = lines.index(f"megarl train full: fresh run, {total} steps after an SFT warm-up of {warmup_limit} steps")
+    assert lines[start + 1] == f"  run dir  {run_dir}"
+    assert lines[start + 2].startswith("  metrics  metrics.jsonl, sft_metrics.jsonl (the warm-up), tensorboard/")
+    assert lines[start + 4].startswith("  layout   device cpu, colocated")
+    sft = [line.split("  ")[0] for line in lines if line.startswith("sft warm-up")]
+    assert sft[:2] == ["sft warm-up 1/5", "sft warm-up 5/5"] and len(sft) == 3
+    assert sft[2].startswith("sft warm-up done at step 5, loss ") and sft[2].endswith("step limit reached)")
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split("  ")[0] for line in steps] == [f"step {step}/{total}" for step in range(1, total + 1)]
+    assert " val " in steps[1] and "(step 2)" in steps[1] and "s/step  elapsed " in steps[0] and "gen " in steps[0]
+    log = (run_dir / "logs" / "controller.log").read_text()
+    for text in ("megarl train full: fresh run", "sft warm-up done at step 5", "validation at step 0: val/score/mean",
+                 "validation at step 2: val/score/mean", "validation at step 4: val/score/mean"):
+        assert text in log, text
+    assert len((run_dir / "sft_metrics.jsonl").read_text().splitlines()) == warmup
+
+
 @pytest.mark.e2e
 @pytest.mark.dist
 def test_short_run_logs_the_contract(grpo_reference):
@@ -55,6 +80,7 @@ def test_short_run_logs_the_contract(grpo_reference):
     first = grpo_reference.records()
     # Its API key was known to the test: no process the run started carried it on its command line.
     assert grpo_reference.watched.servers and not grpo_reference.watched.leaks, grpo_reference.watched.leaks
+    _check_the_log_of_a_file(grpo_reference.stderr, grpo_reference.run_dir)
     steps = [record for record in first if "timing_s/step" in record]
     assert [record["step"] for record in steps] == [1, 2, 3, 4]
     for record in steps:

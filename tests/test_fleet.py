@@ -307,6 +307,35 @@ def test_killed_servers_are_restarted_resynced_by_the_driver_and_no_row_is_lost(
     assert thread is driver
     assert [server["state"] for server in fleet.status()] == ["up", "up"]
 
+def _wait_for_a_running_request(fleet) -> None:
+    deadline = time.monotonic() + 60
+    while not any(call(url, "/server_info")[1]["num_running_reqs"] for url in fleet.urls):
+        assert time.monotonic() < deadline, "no request ever ran"
+        time.sleep(0.002)
+
+
+@pytest.mark.dist
+def test_an_in_flight_update_pauses_requests_in_place_and_their_tokens_carry_both_versions(fleet, pushes):
+    """The sync pauses generation in place (SGLang's pause_generation mode in_place), updates, continues: the
+    paused requests complete, and the streamed events tag each token with the version that generated it."""
+    fleet.sync_weights(version=20)
+    gen_batch = generation_batch(PROMPTS * 8, N)  # 64 requests, one at a time per server: the sync meets some
+    results: dict[int, GenerationResult] = {}
+    future = fleet.start_generation(gen_batch, sampling(MAX_RESPONSE, ignore_eos=True), seed=9,
+                                    on_rows=lambda rows, outs: results.update(zip(rows, outs)),
+                                    per_token_versions=True)
+    _wait_for_a_running_request(fleet)
+    fleet.sync_weights(version=21)
+    future.result(timeout=300)
+    assert sorted(results) == list(range(len(gen_batch)))
+    assert all(r.finish_reason == "length" and len(r.output_ids) == MAX_RESPONSE for r in results.values())
+    tags = [r.token_versions for r in results.values()]
+    assert all(len(t) == MAX_RESPONSE and t == sorted(t, key=int) for t in tags)  # old tokens first, then new
+    straddling = [t for t in tags if set(t) == {"20", "21"}]
+    assert straddling, "no request was running through the update"
+    assert all(r.weight_version == r.token_versions[-1] for r in results.values())
+
+
 @pytest.mark.dist
 def test_update_and_generate_endpoints_refuse_requests_without_the_key(fleet):
     url = fleet.urls[0]

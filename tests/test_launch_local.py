@@ -56,5 +56,5 @@ def test_local_launcher_runs_a_recipe_and_stops_what_it_started(tmp_path):
     # The run's Ray: on loopback, in a temp dir of its own that is gone now; its logs kept in the run dir.
     temp_dir = re.search(r"ray head at 127\.0\.0\.1:\d+ \(temp dir (\S+)\)", output).group(1)
     assert not Path(temp_dir).exists()
-    assert (tmp_path / "local" / "logs" / f"ray-{host}" / "raylet.out").exists()
+    assert (tmp_path / "local" / "logs" / f"ray-{host}-local" / "raylet.out").exists()
     assert _processes_with(f"MEGARL_RAY_TMPDIR={temp_dir}\0") == []

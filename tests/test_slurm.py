@@ -1,16 +1,19 @@
-"""megarl submit on a real single-node Slurm (tests/_slurm.py): a quickstart job, a preemption, a preflight failure.
+"""megarl submit on a real two-node Slurm (tests/_slurm.py): two hosts in network namespaces, each with its own
+address and a hostname that resolves to 127.0.1.1, as under Debian's default /etc/hosts.
 
-The jobs run the CPU quickstart cut to a few steps (no warm-up, little
-validation), so each takes about a minute and a half on 2 busy cores. Where
-Slurm cannot be installed or started (not root, no apt-get) every test here
-skips with the reason.
+One job carries the tier (its starts take most of the time, so every test reads the same job): the CPU
+quickstart, cut to six short steps, with the actor on one host and the rollout server on the other (a
+weight-update group between them, over gloo), submitted with --requeue. Once its first step is logged a job
+on a higher-priority partition preempts it (PreemptMode=REQUEUE with a grace time): Slurm signals every
+process of the job's steps, Ray stays up, the driver checkpoints and exits with 75, the job requeues itself
+and its second start, under the same job id, resumes and finishes. A second, one-node job fails preflight on a port
+taken on its node. Where Slurm cannot be installed or started (not root, no apt-get) every test here skips
+with the reason.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +23,23 @@ from types import SimpleNamespace
 import pytest
 
 from _slurm import SlurmUnavailable, start_slurm
-from megarl.submit.ray_ports import free_block
+from megarl.cluster.ray_ports import free_block
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.slurm]
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart-grpo-cpu.yaml"
-# A few steps of the quickstart: no warm-up, a small generated data set, one small validation.
+# A few small steps of the quickstart, no warm-up or validation; the actor and the rollout server on pools of
+# one process slot each, on two nodes of one slot: one on each host.
 SHORT = ["sft_warmup.steps=0", "data.synthetic.num_train=256", "data.synthetic.num_val=16",
-         "trainer.val_before_train=false", "trainer.logging.console=false"]
-ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+         "trainer.val_before_train=false", "trainer.val_every=0", "trainer.logging.console=false",
+         "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=8"]
+TWO_HOSTS = ["placement.nodes=2", "placement.colocate=false",
+             "placement.pools={train: {nodes: 1, gpus_per_node: 1}, gen: {nodes: 1, gpus_per_node: 1}}",
+             "placement.roles={actor: train, rollout: gen}", "weight_sync.transport=distributed", "rollout.host=node",
+             "trainer.checkpoint.preempt_timeout_s=30"]
+TOTAL_STEPS = 6  # a step takes a second or two: the preemption lands while the run is well inside
+ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")
 CONTRACT_KEYS = ["critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "actor/entropy",
                  "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
                  "timing_s/step", "perf/throughput", "rollout/logprob_diff"]
@@ -46,19 +56,21 @@ def slurm():
 
 
 def _megarl(cluster, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megarl", *map(str, args)], capture_output=True, text=True,
-                          env=cluster.env, cwd=cwd, timeout=120)
+    # In the controller's namespace: where sbatch reaches slurmctld.
+    return subprocess.run(cluster.client(sys.executable, "-m", "megarl", *map(str, args)), capture_output=True,
+                          text=True, env=cluster.env, cwd=cwd, timeout=180)
 
 
 def _submit(cluster, tmp_path: Path, name: str, *overrides: str, extra: tuple[str, ...] = ()) -> SimpleNamespace:
     sets = [f"trainer.output_dir={tmp_path / 'runs'}", f"name={name}", *SHORT, *overrides]
-    argv = ["submit", QUICKSTART, "--nodes", "1", *extra, *(arg for item in sets for arg in ("--set", item))]
+    argv = ["submit", QUICKSTART, *extra, *(arg for item in sets for arg in ("--set", item))]
     submitted = _megarl(cluster, *argv, cwd=tmp_path)
     assert submitted.returncode == 0, submitted.stderr
-    job_id = submitted.stdout.split()[2]
+    job_id = next(line for line in submitted.stdout.splitlines() if line.startswith("submitted job")).split()[2]
     cluster.jobs.append(job_id)
     run_dir = tmp_path / "runs" / name
-    return SimpleNamespace(argv=argv, job_id=job_id, run_dir=run_dir, log=run_dir / "logs" / f"slurm-{job_id}.out")
+    return SimpleNamespace(argv=argv, job_id=job_id, run_dir=run_dir, log=run_dir / "logs" / f"slurm-{job_id}.out",
+                           submitted=submitted.stdout)
 
 
 def _status(cluster, run) -> str:
@@ -67,18 +79,22 @@ def _status(cluster, run) -> str:
     return shown.stdout
 
 
-def _wait_until_done(cluster, run, timeout_s: float = 420) -> str:
+def _slurm_state(cluster, job_id: str) -> tuple[str, str]:
+    listed = cluster.run("squeue", "--noheader", "--jobs", job_id, "--format", "%T|%r")
+    return tuple(listed.stdout.strip().split("|")) if "|" in listed.stdout else ("", "")
+
+
+def _wait(what: str, done, run, timeout_s: float, cluster=None) -> None:
+    """Poll until `done()`; fail after `timeout_s`, or at once when `cluster` says the job is no longer queued."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        status = _status(cluster, run)
-        state = status.split()[2].rstrip(",")
-        if state not in ACTIVE:
-            return status
-        assert time.monotonic() < deadline, f"job {run.job_id} still {state} after {timeout_s} s:\n{_tail(run.log)}"
-        time.sleep(3)
+    while not done():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n{_tail(run.log)}"
+        if cluster is not None:
+            assert _slurm_state(cluster, run.job_id)[0] in ACTIVE, f"{what}: the job ended first\n{_tail(run.log)}"
+        time.sleep(2)
 
 
-def _tail(path: Path, lines: int = 40) -> str:
+def _tail(path: Path, lines: int = 60) -> str:
     return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else f"({path} missing)"
 
 
@@ -95,88 +111,135 @@ def _job_processes(job_id: str) -> list[str]:
     return found
 
 
-def _assert_torn_down(cluster, run) -> None:
-    log = run.log.read_text()
-    assert "torn down; exit status" in log, _tail(run.log)
-    assert not Path(f"/tmp/megarl-ray-{run.job_id}").exists()  # every node removed its Ray temp dir
-    assert (run.run_dir / "logs" / f"ray-{cluster.node}" / "raylet.out").exists()  # and kept Ray's logs
-    assert f"ray head on {cluster.node} stopped" in (run.run_dir / "logs" / f"ray-head-{cluster.node}.log").read_text()
-    assert _job_processes(run.job_id) == []
+def _secrets_on_command_lines(job_id: str) -> tuple[int, list[str]]:
+    """(processes of the job looked at, command lines that hold the job's Ray token)."""
+    marker, tokens, cmdlines = f"SLURM_JOB_ID={job_id}\0".encode(), set(), []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes() if proc.name.isdigit() else b""
+            if marker in environ:
+                tokens |= {entry.split(b"=", 1)[1] for entry in environ.split(b"\0")
+                           if entry.startswith(b"RAY_AUTH_TOKEN=")}
+                cmdlines.append((proc / "cmdline").read_bytes())
+        except OSError:
+            continue
+    assert tokens, "no process of the job carries its Ray token"
+    return len(cmdlines), [line.decode(errors="replace") for line in cmdlines if any(t in line for t in tokens)]
 
 
-def test_quickstart_job_runs_to_completion(slurm, tmp_path):
-    run = _submit(slurm, tmp_path, "slurm-quickstart", "trainer.total_steps=2", "trainer.val_every=2")
-    # Submitting the same run again while its job is queued or running is refused, naming the job.
-    again = _megarl(slurm, *run.argv, cwd=tmp_path)
-    assert again.returncode == 2 and f"job {run.job_id} of this run is still" in again.stderr, again.stderr
-
-    status = _wait_until_done(slurm, run)
-    assert status.startswith(f"job {run.job_id}: COMPLETED, on {slurm.node}"), status + _tail(run.log)
-    assert "exit code 0:0" in status and "last metrics: step 2: critic/score/mean" in status, status
-
-    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [record for record in records if "timing_s/step" in record]
-    assert [record["step"] for record in steps] == [1, 2]
-    for record in steps:
-        assert not [key for key in CONTRACT_KEYS if key not in record], record
-        assert record["rollout/logprob_diff"] < 1e-4  # weights reached the engine through the job's Ray
-    assert "val/score/mean" in steps[-1]
-
-    log = run.log.read_text()
-    assert "preflight: 1 node(s) agree" in log
-    assert f"1 node(s) registered with 1 CPU each: {slurm.node}" in log
-    assert "driver exited with status 0\n" in log
-    assert (run.run_dir / "slurm" / "megarl.sbatch").read_text().startswith("#!/bin/bash")
-    _assert_torn_down(slurm, run)
+def _steps_logged(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def preempted(slurm, tmp_path_factory):
-    """A long quickstart job stopped after its first step by `megarl submit --cancel` (SIGTERM to the batch script)."""
-    tmp_path = tmp_path_factory.mktemp("preempted")
-    run = _submit(slurm, tmp_path, "slurm-preempted", "trainer.total_steps=200", "trainer.val_every=0")
-    metrics, deadline = run.run_dir / "metrics.jsonl", time.monotonic() + 420
-    while not (metrics.exists() and '"timing_s/step"' in metrics.read_text()):
-        assert time.monotonic() < deadline, f"no step after 420 s:\n{_tail(run.log)}"
-        time.sleep(3)
-    # What Slurm sends at --signal=B:TERM@<lead> before the time limit: SIGTERM to the batch script only.
-    # (A plain `scancel --signal=TERM` signals the job steps, i.e. the Ray processes, not the script.)
-    run.cancel = _megarl(slurm, "submit", "--cancel", run.run_dir, cwd=tmp_path)
-    run.status = _wait_until_done(slurm, run, timeout_s=300)
+def lifecycle(slurm, tmp_path_factory):
+    """The two-node job: six steps, preempted by a higher-priority job after its first, requeued, resumed."""
+    tmp_path = tmp_path_factory.mktemp("two-hosts")
+    run = _submit(slurm, tmp_path, "two-hosts", f"trainer.total_steps={TOTAL_STEPS}", *TWO_HOSTS,
+                  extra=("--nodes", "2", "--requeue"))
+    metrics = run.run_dir / "metrics.jsonl"
+    _wait("the first step", lambda: metrics.exists() and metrics.read_text().strip(), run, 600, slurm)
+    run.secrets = _secrets_on_command_lines(run.job_id)
+    run.preemptor = slurm.run("sbatch", "--parsable", "--partition=urgent", "--nodes=1", f"--chdir={tmp_path}",
+                              f"--output={tmp_path}/urgent-%j.out", "--wrap", "sleep 2")
+    assert run.preemptor.returncode == 0, run.preemptor.stderr
+    slurm.jobs.append(run.preemptor.stdout.strip().split(";")[0])
+    starts = run.run_dir / "slurm" / f"job-{run.job_id}.jsonl"
+    _wait("the first start recorded", starts.exists, run, 240)
+    # Slurm holds a requeued job about two minutes before it may start again; the test does not wait that out.
+    _wait("requeued", lambda: _slurm_state(slurm, run.job_id)[0] == "PENDING", run, 60)
+    slurm.run("scontrol", "update", f"JobId={run.job_id}", "StartTime=now")
+    _wait("the second start finished", lambda: len(starts.read_text().splitlines()) >= 2, run, 480)
+    _wait("the job ended", lambda: _slurm_state(slurm, run.job_id)[0] not in ACTIVE, run, 60)
+    run.status = _status(slurm, run)
     return run
 
 
-def test_preempted_job_forwards_sigterm_to_the_driver_and_tears_down(slurm, preempted):
-    assert preempted.cancel.returncode == 0, preempted.cancel.stderr
-    assert f"job {preempted.job_id}: sent SIGTERM to its batch script" in preempted.cancel.stdout
-    log = preempted.log.read_text()
-    assert "SIGTERM: forwarded to the driver" in log, _tail(preempted.log)
-    assert "after SIGTERM" in log.split("SIGTERM: forwarded to the driver")[1]
-    _assert_torn_down(slurm, preempted)
+def test_ray_spans_both_hosts_with_the_actor_on_one_and_the_rollout_server_on_the_other(slurm, lifecycle):
+    run, (head, other) = lifecycle, list(slurm.nodes)
+    log = run.log.read_text()
+    assert f"2 node(s) registered with 1 CPU each: {head} {other}" in log, _tail(run.log)
+    # Each host's Ray ran, was stopped by the teardown and kept its logs; which actor ran where is in them.
+    actors = {}
+    for node in (head, other):
+        ray_logs = run.run_dir / "logs" / f"ray-{node}-{run.job_id}.0"
+        assert (ray_logs / "raylet.out").exists(), sorted(p.name for p in (run.run_dir / "logs").iterdir())
+        actors[node] = {line.split(":actor_name:")[1].strip() for path in ray_logs.glob("worker-*.out")
+                        for line in path.read_text(errors="replace").splitlines() if ":actor_name:" in line}
+    hosts_of = {name: [node for node in actors if name in actors[node]] for name in ("MegatronWorker", "ServerHost")}
+    assert len(hosts_of["MegatronWorker"]) == 1 and len(hosts_of["ServerHost"]) == 1, actors
+    assert hosts_of["MegatronWorker"] != hosts_of["ServerHost"], actors
+    # The weights crossed hosts through the weight-update group: the server generates with the trainer's policy.
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        assert not [key for key in CONTRACT_KEYS if key not in record], record
+        assert record["rollout/logprob_diff"] < 1e-4, record
 
 
-def test_preempted_job_checkpointed_and_exited_cleanly(preempted):
-    checkpoints = sorted((preempted.run_dir / "checkpoints").glob("step_*"))
-    assert checkpoints, f"no checkpoint after SIGTERM:\n{_tail(preempted.log)}"
-    step = int(checkpoints[-1].name.removeprefix("step_"))
-    assert 1 <= step < 200 and (checkpoints[-1] / "actor" / "megarl_checkpoint.json").exists()
-    driver_status = int(preempted.log.read_text().split("driver exited with status ")[1].split()[0])
-    # Issue 11: a distinct exit status, neither success, a failure, nor death by a signal (134, 137, 143).
-    assert driver_status not in (0, 1, 2) and driver_status < 128, driver_status
-    assert "Traceback" not in preempted.log.read_text()
+def test_addresses_are_the_hosts_own_although_their_names_resolve_to_127_0_1_1(slurm, lifecycle):
+    run, (head, other) = lifecycle, list(slurm.nodes)
+    for node, address in slurm.nodes.items():
+        resolved = subprocess.run(slurm.on_node(node, "getent", "hosts", node), capture_output=True, text=True)
+        assert resolved.stdout.split()[0] == "127.0.1.1", resolved
+    log = run.log.read_text()
+    assert f"ray head on {head} at {slurm.nodes[head]}:" in log, _tail(run.log)  # resolved on the head node
+    for node, role in ((head, "head"), (other, "worker")):
+        node_log = (run.run_dir / "logs" / f"ray-{role}-{node}-{run.job_id}.0.log").read_text()
+        assert f"ray {role} on {node} ({slurm.nodes[node]}), try 1: " in node_log, node_log
+
+
+def test_preemption_checkpoints_requeues_and_resumes_in_the_same_job(slurm, lifecycle):
+    run = lifecycle
+    log = run.log.read_text()
+    first, second = log.split(f"job {run.job_id} start 1 on")
+    # Slurm signalled the steps; every Ray node kept running and told the batch script; the driver got one SIGTERM.
+    assert first.count("forwarded to the driver") == 1 and "SIGTERM to the job steps (preemption)" in first, first
+    for node in slurm.nodes:
+        role = "head" if node == next(iter(slurm.nodes)) else "worker"
+        node_log = (run.run_dir / "logs" / f"ray-{role}-{node}-{run.job_id}.0.log").read_text()
+        assert "SIGTERM from Slurm; telling the batch script" in node_log and ", try 2:" not in node_log, node_log
+    assert "driver exited with status 75 after SIGTERM\n" in first  # exactly 75: stopped with a checkpoint
+    assert f"requeueing job {run.job_id}" in first and "Traceback" not in log
+    assert "driver exited with status 0\n" in second
+    starts = [json.loads(line) for line in (run.run_dir / "slurm" / f"job-{run.job_id}.jsonl").read_text().splitlines()]
+    assert [(start["restart"], start["status"], start["requeued"]) for start in starts] == [(0, 75, True),
+                                                                                           (1, 0, False)]
+    controller_log = (run.run_dir / "logs" / "controller.log").read_text()
+    stopped = int(controller_log.split("stop requested: step ")[1].split()[0])  # abandoned, or finished
+    assert 2 <= stopped <= TOTAL_STEPS, controller_log[-3000:]
+    assert _steps_logged(run.run_dir) == list(range(1, TOTAL_STEPS + 1))  # nothing lost, nothing done twice
+    # Each start has its own preflight facts and Ray logs; the job log holds both starts.
+    for restart in (0, 1):
+        assert (run.run_dir / "logs" / f"preflight-{run.job_id}.{restart}.jsonl").read_text().count('"node"') == 2
+    assert run.status.startswith(f"job {run.job_id}: finished"), run.status
+    assert f"last metrics: step {TOTAL_STEPS}: " in run.status
+
+
+def test_the_ray_token_is_on_no_command_line_and_nothing_is_left_behind(slurm, lifecycle):
+    looked_at, leaked = lifecycle.secrets
+    assert looked_at >= 8 and leaked == [], leaked  # the Ray daemons, workers, servers and the driver
+    assert _job_processes(lifecycle.job_id) == []
+    assert not Path(f"/tmp/megarl-ray-{lifecycle.job_id}").exists()
 
 
 def test_preflight_stops_a_job_whose_ray_port_is_taken(slurm, tmp_path):
-    ports = free_block(os.getpid())
-    with socket.socket() as squatter:
-        squatter.bind(("", ports.base))
-        squatter.listen()
-        run = _submit(slurm, tmp_path, "slurm-port-taken", "trainer.total_steps=1",
-                      extra=("--env", f"MEGARL_RAY_PORT_BASE={ports.base}"))
-        status = _wait_until_done(slurm, run, timeout_s=120)
-    assert status.startswith(f"job {run.job_id}: FAILED") and "exit code 1:0" in status, status
-    log = run.log.read_text()
-    assert (f"preflight: node {slurm.node}: 1 port(s) of this job's Ray port block are in use: {ports.base} (gcs)"
-            in log), _tail(run.log)
+    node = list(slurm.nodes)[-1]
+    ports = free_block(0)
+    squatter = subprocess.Popen(slurm.on_node(node, sys.executable, "-c",
+                                              f"import socket, time; s = socket.socket(); s.bind(('', {ports.base})); "
+                                              "s.listen(); print('bound', flush=True); time.sleep(600)"),
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline() == "bound\n"
+        run = _submit(slurm, tmp_path, "port-taken", "trainer.total_steps=1",
+                      extra=("--nodes", "1", f"--sbatch-arg=--nodelist={node}", "--env",
+                             f"MEGARL_RAY_PORT_BASE={ports.base}"))
+        _wait("the job ended", lambda: _slurm_state(slurm, run.job_id)[0] not in ACTIVE, run, 180)
+    finally:
+        squatter.kill()
+        squatter.wait()
+    status = _status(slurm, run)
+    assert status.startswith(f"job {run.job_id}: failed: status 1: preflight: node {node}: 1 port(s) of this job's "
+                             f"Ray port block are in use: {ports.base} (gcs)"), status
     assert not list((run.run_dir / "logs").glob("ray-*"))  # no Ray was started
     assert _job_processes(run.job_id) == []

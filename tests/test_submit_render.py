@@ -1,11 +1,9 @@
-"""megarl submit without a cluster: the rendered job script for 1, 2 and 16 nodes, and the refusals.
+"""megarl submit without a cluster: the rendered script (golden renders), what submit freezes into the run dir,
+the refusals, --status and --cancel over stand-in Slurm commands, preflight's checks and the port blocks.
 
-The script is not only read but run, under stand-ins for srun, scontrol,
-squeue, scancel and the job's interpreter that record every call (the same
-bash, traps and teardown a real job runs). The recorded calls are compared
-with golden lists: preflight, head and worker bring-up, the registration wait,
-the driver, SIGTERM forwarding and teardown in order. The real single-node
-Slurm runs of tests/test_slurm.py cover the same script end to end.
+The rendered scripts are run under stand-ins in tests/test_job_script.py, and on a real two-node Slurm in
+tests/test_slurm.py. A template change shows up here as a golden render that differs: look at the diff,
+then rewrite the renders with `MEGARL_UPDATE_GOLDEN=1 pytest tests/test_submit_render.py -k golden`.
 """
 
 from __future__ import annotations
@@ -13,275 +11,244 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from _job_shims import JOB_ID, QWEN, facts as _facts, nodes_named as _nodes, render
 from megarl.cli import main
+from megarl.cluster.ray_ports import BLOCK_SIZE, FIRST_PORT, NUM_BLOCKS, WORKER_PORTS, block_for
 from megarl.config import load_recipe
 from megarl.errors import InputError
 from megarl.submit.fit import check_fit
-from megarl.submit.preflight import check_facts, head_ip
-from megarl.submit.ray_ports import BLOCK_SIZE, FIRST_PORT, NUM_BLOCKS, block_for
+from megarl.submit.freeze import input_paths
+from megarl.submit.preflight import check_facts, megarl_source_digest
+from megarl.submit.render import StopBudget
 
 REPO = Path(__file__).resolve().parents[1]
-QWEN = REPO / "recipes" / "grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2.yaml"
 QUICKSTART = REPO / "recipes" / "quickstart-grpo-cpu.yaml"
-JOB_ID = 4242
-HEAD_IP = "10.1.2.3"
+GOLDEN = REPO / "tests" / "fixtures" / "sbatch"
 PORT = FIRST_PORT + (JOB_ID % NUM_BLOCKS) * BLOCK_SIZE
-VERSIONS = {"torch": "2.4.0", "megatron-core": "0.16.1", "sglang": "0.5.23", "ray": "2.60.0", "megarl": "0.1.0"}
-
-# Stand-ins. Every call is appended to $SHIM_LOG. Long-running ones (Ray nodes, a hanging driver) wait on a
-# child sleep they kill on SIGTERM, so no process outlives a test.
-SHIMS = {
-    "scontrol": """
-echo "scontrol $*" >>"$SHIM_LOG"
-[ "$1 $2" = "show hostnames" ] && printf '%s\\n' $SHIM_NODES
-""",
-    "squeue": """
-echo "squeue $*" >>"$SHIM_LOG"
-for f in "$SHIM_DIR"/step-*.pid; do [ -e "$f" ] && n=${f##*/step-} && echo "$SLURM_JOB_ID.${n%.pid} ${n%.pid}"; done
-""",
-    "scancel": """
-echo "scancel $*" >>"$SHIM_LOG"
-name=${2#*.}
-kill -TERM "$(cat "$SHIM_DIR/step-$name.pid")"
-""",
-    "srun": """
-case "$*" in
-  *"preflight reach"*)
-    until [ -e "$SHIM_DIR/step-megarl-ray-head.pid" ]; do sleep 0.1; done
-    echo "srun $*" >>"$SHIM_LOG" ;;
-  *megarl_ray_node*)
-    echo "srun $*" >>"$SHIM_LOG"
-    name=$(echo "$*" | sed 's/.*--job-name=\\([^ ]*\\).*/\\1/')
-    sleep 1000 & child=$!
-    trap 'echo "$name: SIGTERM" >>"$SHIM_LOG"; kill $child; exit 0' TERM
-    echo $$ >"$SHIM_DIR/step-$name.pid"
-    wait $child ;;
-  *"preflight facts"*)
-    echo "srun $*" >>"$SHIM_LOG"
-    cat "$SHIM_DIR/facts.jsonl" ;;
-  *) echo "srun $*" >>"$SHIM_LOG" ;;
-esac
-""",
-    "python": """
-case "$*" in
-  *megarl.submit.registration*)
-    [ "$(echo $SHIM_NODES | wc -w)" -gt 1 ] && until [ -e "$SHIM_DIR/step-megarl-ray-workers.pid" ]; do sleep 0.1; done
-    echo "python $*" >>"$SHIM_LOG"
-    case "$SHIM_REGISTRATION" in
-      fail) echo "megarl-launch: 1 of 2 node(s) registered" >&2; exit 1 ;;
-      hang) sleep 1000 & child=$!; trap 'kill $child; exit 143' TERM; wait $child ;;
-    esac
-    exit 0 ;;
-esac
-if [ "$SHIM_DRIVER" = hang ] && [[ "$*" = *"megarl train"* ]]; then
-  trap 'echo "driver: SIGTERM" >>"$SHIM_LOG"; kill $child; exit 99' TERM  # before the test sees the call
-fi
-echo "python $*" >>"$SHIM_LOG"
-case "$*" in
-  *"preflight head-ip"*) echo "$SHIM_HEAD_IP" ;;
-  *"megarl train"*)
-    if [ "$SHIM_DRIVER" = hang ]; then
-      sleep 1000 & child=$!
-      wait $child
-    fi ;;
-  *) exec "$SHIM_REAL_PYTHON" "$@" ;;
-esac
-""",
-}
+PYTHON = "/opt/venv/bin/python"
 
 
 @pytest.fixture(autouse=True)
 def _submit_from_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the job's working directory is where megarl submit ran
+    monkeypatch.setenv("PYTHONPATH", "/opt/megarl-src")
 
 
-def _nodes(count: int) -> list[str]:
-    return [f"node{index:03d}" for index in range(1, count + 1)]
+@pytest.mark.parametrize("variant, extra", [
+    ("plain", ()),
+    ("requeue-pyxis", ("--requeue", "--container-image", "nvcr.io/nvidia/pytorch:24.09-py3")),
+    ("apptainer", ("--apptainer-image", "/images/megarl.sif")),
+])
+def test_golden_renders(tmp_path, capsys, variant, extra):
+    script = render(tmp_path, capsys, 2, PYTHON, *extra).replace(str(tmp_path), "TMP").replace(str(Path.home()), "~")
+    golden = GOLDEN / f"{variant}.sbatch"
+    if os.environ.get("MEGARL_UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(script)
+    assert script == golden.read_text(), f"the render of {variant} changed; see the module docstring"
 
 
-def _facts(nodes: list[str], **changes_by_node) -> str:
-    lines = []
-    for node in nodes:
-        fact = {"node": node, "gpus": 8, "cuda_visible_devices": "0,1,2,3,4,5,6,7", "busy_ports": [],
-                "versions": dict(VERSIONS)}
-        fact["versions"].update(changes_by_node.get(node, {}))
-        lines.append(json.dumps(fact))
-    return "\n".join(lines) + "\n"
+def _directives(script: str) -> list[str]:
+    return [line for line in script.splitlines() if line.startswith("#SBATCH")]
 
 
-def _overrides(tmp_path: Path, nodes: int) -> list[str]:
-    # The 2n8g recipe scaled to `nodes` x 8 GPUs: TP4 x PP2 with DP = nodes, 4 rollout servers of TP2 per node.
-    return [f"trainer.output_dir={tmp_path / 'runs'}", f"placement.nodes={nodes}", f"rollout.num_servers={4 * nodes}",
-            "cluster.env.NCCL_SOCKET_IFNAME=ib0"]
-
-
-def _render(tmp_path: Path, capsys, nodes: int, python: Path) -> str:
-    argv = ["submit", str(QWEN), "--nodes", str(nodes), "--dry-run", "--python", str(python),
-            "--partition", "gpu", "--time", "2:00:00", "--sbatch-arg=--qos=high", "--env", "NCCL_DEBUG=WARN"]
-    for override in _overrides(tmp_path, nodes):
-        argv += ["--set", override]
-    assert main(argv) == 0
-    return capsys.readouterr().out
-
-
-class Job:
-    """A rendered script run under the stand-ins, with its recorded calls."""
-
-    def __init__(self, tmp_path: Path, capsys, nodes: int, *, facts: str | None = None, **behaviour: str):
-        self.dir = tmp_path / "shims"
-        self.dir.mkdir()
-        for name, body in SHIMS.items():
-            (self.dir / name).write_text("#!/bin/bash\n" + body)
-            (self.dir / name).chmod(0o755)
-        self.nodes = _nodes(nodes)
-        (self.dir / "facts.jsonl").write_text(facts or _facts(self.nodes))
-        self.log = self.dir / "calls.log"
-        self.log.touch()
-        self.run_dir = tmp_path / "runs" / "grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2"
-        self.run_dir.joinpath("logs").mkdir(parents=True)
-        self.script = tmp_path / "job.sbatch"
-        self.script.write_text(_render(tmp_path, capsys, nodes, self.dir / "python"))
-        env = {**os.environ, "PATH": f"{self.dir}:{os.environ['PATH']}", "SHIM_DIR": str(self.dir),
-               "SHIM_LOG": str(self.log), "SHIM_NODES": " ".join(self.nodes), "SHIM_HEAD_IP": HEAD_IP,
-               "SHIM_REAL_PYTHON": sys.executable, "SHIM_DRIVER": "", "SHIM_REGISTRATION": "",
-               "SLURM_JOB_ID": str(JOB_ID), "SLURM_JOB_NODELIST": f"node[001-{nodes:03d}]"}
-        env.update({f"SHIM_{key.upper()}": value for key, value in behaviour.items()})
-        env.pop("MEGARL_RAY_PORT_BASE", None)
-        self.process = subprocess.Popen(["bash", str(self.script)], env=env, cwd=tmp_path,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def wait_for_call(self, fragment: str, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while fragment not in self.log.read_text():
-            assert time.monotonic() < deadline and self.process.poll() is None, self.log.read_text()
-            time.sleep(0.1)
-
-    def finish(self, timeout_s: float = 120) -> tuple[int, str]:
-        output, _ = self.process.communicate(timeout=timeout_s)
-        return self.process.returncode, output
-
-    def calls(self) -> list[str]:
-        text = self.log.read_text().replace(str(self.dir / "python"), "PY").replace(str(self.run_dir), "RUN")
-        text = text.replace(str(QWEN), "RECIPE")
-        return re.sub(r"--watch-pid \d+", "--watch-pid PID", text).splitlines()
-
-
-def golden_calls(nodes: list[str]) -> dict[str, list[str]]:
-    """The calls of a job on `nodes`, by phase."""
-    count, head, workers, address = len(nodes), nodes[0], nodes[1:], f"{HEAD_IP}:{PORT}"
-    bring_up = [
-        f"scontrol show hostnames node[001-{count:03d}]",
-        f"python -m megarl.submit.ray_ports --seed {JOB_ID}",
-        "python -c import secrets; print(secrets.token_hex(32))",
-        f"srun --overlap --nodes={count} --ntasks-per-node=1 PY -m megarl.submit.preflight facts --device cuda "
-        f"--port-seed {JOB_ID}",
-        f"python -m megarl.submit.preflight check --nodes {' '.join(nodes)} --device cuda --gpus-per-node 8",
-        "python -m megarl.submit.preflight head-ip",
-        f"srun --overlap --nodes=1 --ntasks=1 --nodelist={head} --job-name=megarl-ray-head "
-        "--output=RUN/logs/ray-head-%N.log bash -c megarl_ray_node head",
-        f"srun --overlap --nodes={count} --ntasks-per-node=1 PY -m megarl.submit.preflight reach --address {address} "
-        "--timeout 120",
-    ]
-    if workers:
-        bring_up.append(
-            f"srun --overlap --nodes={len(workers)} --ntasks-per-node=1 --nodelist={','.join(workers)} "
-            "--job-name=megarl-ray-workers --output=RUN/logs/ray-worker-%N.log bash -c megarl_ray_node worker"
-        )
-    bring_up.append(
-        f"python -m megarl.submit.registration --address {address} --nodes {count} --device cuda --per-node 8 "
-        f"--hosts {' '.join(nodes)} --log-dir RUN/logs --watch-pid PID"
-        + (" --watch-pid PID" if workers else "") + " --timeout 300"
-    )
-    driver = [f"python -m megarl train RECIPE --ray-address {address} "
-              + " ".join(f"--set {override}" for override in _overrides(Path("TMP"), count))]
-    teardown = []
-    for name in (["megarl-ray-workers"] if workers else []) + ["megarl-ray-head"]:
-        teardown += [f"squeue --noheader --steps --jobs {JOB_ID} --format %i %j",
-                     f"scancel --signal=TERM {JOB_ID}.{name}", f"{name}: SIGTERM"]
-    return {"bring_up": bring_up, "driver": driver, "teardown": teardown}
-
-
-def _normalise_tmp(calls: list[str], tmp_path: Path) -> list[str]:
-    return [call.replace(str(tmp_path), "TMP") for call in calls]
-
-
-@pytest.mark.parametrize("nodes", [1, 2, 16])
-def test_job_script_brings_up_runs_and_tears_down(tmp_path, capsys, nodes):
-    job = Job(tmp_path, capsys, nodes)
-    status, output = job.finish()
-    assert status == 0, output
-    golden = golden_calls(job.nodes)
-    assert _normalise_tmp(job.calls(), tmp_path) == golden["bring_up"] + golden["driver"] + golden["teardown"]
-    assert "driver exited with status 0\n" in output and "torn down; exit status 0" in output
-
-    script = job.script.read_text()
-    directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
-    assert directives == [
-        "#SBATCH --job-name=megarl-grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2", f"#SBATCH --nodes={nodes}",
+def test_directives_environment_and_budget(tmp_path, capsys):
+    script = render(tmp_path, capsys, 2, PYTHON)
+    budget = StopBudget.for_timeout(300)
+    assert (budget.driver_s, budget.kill_driver_s, budget.teardown_s) == (300, 300 + budget.hard_exit_s + 15, 60)
+    assert budget.signal_lead_s == budget.kill_driver_s + 60 + 15
+    assert _directives(script) == [
+        "#SBATCH --job-name=megarl-grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2", "#SBATCH --nodes=2",
         "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --mem=0",
-        f"#SBATCH --output={job.run_dir}/logs/slurm-%j.out", f"#SBATCH --chdir={tmp_path}",
-        "#SBATCH --signal=B:TERM@300", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
-        "#SBATCH --time=2:00:00", "#SBATCH --qos=high",
+        f"#SBATCH --output={tmp_path}/runs/grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2/logs/slurm-%j.out",
+        "#SBATCH --open-mode=append", f"#SBATCH --chdir={tmp_path}", f"#SBATCH --signal=B:TERM@{budget.signal_lead_s}",
+        "#SBATCH --no-requeue", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --time=2:00:00",
+        "#SBATCH --qos=high",
     ]
+    run_dir = tmp_path / "runs" / "grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2"
+    # The job runs the recipe and the sources frozen at submit; the frozen sources come first on PYTHONPATH.
+    assert f"export PYTHONPATH={run_dir}/slurm/code:/opt/megarl-src\n" in script
+    assert f"export MEGARL_RECIPE={run_dir}/slurm/recipe.yaml\n" in script
+    assert f"export MEGARL_TERM_GRACE_S={budget.kill_driver_s}\nexport MEGARL_TEARDOWN_S=60\n" in script
+    # One setting gives every deadline: a shorter driver budget moves them all.
+    short = render(tmp_path, capsys, 2, PYTHON, "--set", "trainer.checkpoint.preempt_timeout_s=30")
+    quick = StopBudget.for_timeout(30)
+    assert f"#SBATCH --signal=B:TERM@{quick.signal_lead_s}" in _directives(short)
+    assert f"export MEGARL_TERM_GRACE_S={quick.kill_driver_s}\n" in short
     # The NCCL environment from the recipe's cluster.env and from --env, for every node.
     assert "export NCCL_SOCKET_IFNAME=ib0\nexport NCCL_DEBUG=WARN\n" in script
-    assert f"export MEGARL_PYTHON={job.dir / 'python'}\n" in script
-    assert "trap megarl_on_term TERM INT\ntrap megarl_teardown EXIT\nmegarl_main\n" in script
-    # Per-job ports and temp dir, no user paths, no broad kill.
+    assert "trap megarl_on_term TERM INT\ntrap megarl_on_nodes_signalled USR1\ntrap megarl_teardown EXIT\n" in script
+    # Per-job ports and temp dir, no user paths, no broad kill, no secret on a command line.
     assert 'MEGARL_RAY_TMPDIR=${MEGARL_RAY_TMPDIR:-/tmp/megarl-ray-$SLURM_JOB_ID}' in script
     commands = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
     assert not re.search(r"pkill|killall|ray stop|/home/|/root/", commands.replace(sys.executable, "PY"))
+    # The Ray token is made in the job and lives in its environment only: no command is given it.
+    assert [line.strip() for line in commands.splitlines() if "AUTH_TOKEN" in line] == [
+        "RAY_AUTH_TOKEN=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n') || return 1", "export RAY_AUTH_TOKEN"]
 
 
-def test_sigterm_goes_to_the_driver_then_everything_stops(tmp_path, capsys):
-    job = Job(tmp_path, capsys, 2, driver="hang")
-    job.wait_for_call("megarl train")
-    job.process.send_signal(signal.SIGTERM)
-    status, output = job.finish()
-    assert status == 99, output  # the driver's own exit status is the job's
-    golden = golden_calls(job.nodes)
-    assert _normalise_tmp(job.calls(), tmp_path) == (
-        golden["bring_up"] + golden["driver"] + ["driver: SIGTERM"] + golden["teardown"]
-    )
-    assert "SIGTERM: forwarded to the driver" in output
-    assert "driver exited with status 99 after SIGTERM" in output
+def test_containers_mount_the_run_the_working_dir_and_the_inputs(tmp_path, capsys):
+    requeued = render(tmp_path, capsys, 2, PYTHON, "--requeue", "--container-image", "img:1")
+    assert "#SBATCH --requeue" in _directives(requeued)
+    run_dir = tmp_path / "runs" / "grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2"
+    home = Path("~").expanduser()
+    # The run dir sits in the working dir: one mount covers both; the inputs' directories are mounted too.
+    mounts = f"{tmp_path}:{tmp_path},/models/Qwen3-8B:/models/Qwen3-8B,{home}/data/gsm8k:{home}/data/gsm8k," \
+             f"{home}/data/math:{home}/data/math"
+    assert (f"MEGARL_SRUN_CONTAINER=(--container-image=img:1 "
+            f"--container-name=megarl-grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2 --container-mounts={mounts} "
+            "--no-container-mount-home)") in requeued
+    assert "export MEGARL_PYTHON=python3\n" in render(tmp_path, capsys, 2, "python3", "--container-image", "img:1")
+    apptainer = render(tmp_path, capsys, 2, PYTHON, "--apptainer-image", "/images/megarl.sif")
+    assert (f"export MEGARL_CONTAINER_EXEC='apptainer exec --nv --bind {tmp_path},/models/Qwen3-8B,{home}/data/gsm8k,"
+            f"{home}/data/math /images/megarl.sif'\n") in apptainer
+    assert run_dir.as_posix() not in apptainer.split("--bind ")[1].split(" ")[0]  # covered by the working dir
+    with pytest.raises(SystemExit) as refused:  # argparse: one container kind at a time
+        main(["submit", str(QWEN), "--nodes", "2", "--dry-run", "--container-image", "a", "--apptainer-image", "b"])
+    assert refused.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
-def test_sigterm_before_the_driver_tears_down_the_bring_up(tmp_path, capsys):
-    job = Job(tmp_path, capsys, 2, registration="hang")
-    job.wait_for_call("megarl.submit.registration")
-    job.process.send_signal(signal.SIGTERM)
-    status, output = job.finish()
-    assert status == 143, output
-    golden = golden_calls(job.nodes)
-    assert _normalise_tmp(job.calls(), tmp_path) == golden["bring_up"] + golden["teardown"]
-    assert "SIGTERM before the driver started" in output and "stopping a bring-up step" in output
+def test_input_paths_lists_what_the_recipe_reads():
+    recipe = load_recipe(QWEN)
+    home = Path("~").expanduser()
+    assert input_paths(recipe) == [
+        ("model.path", Path("/models/Qwen3-8B")), ("model.tokenizer", Path("/models/Qwen3-8B")),
+        ("data.train_files[0]", home / "data/gsm8k/train.parquet"),
+        ("data.train_files[1]", home / "data/math/train.parquet"),
+        ("data.val_files[0]", home / "data/gsm8k/test.parquet"), ("data.val_files[1]", home / "data/math/test.parquet"),
+    ]
+    assert input_paths(load_recipe(QUICKSTART)) == []  # a built-in tokenizer and generated data
 
 
-def test_workers_that_never_register_fail_the_job_and_stop_ray(tmp_path, capsys):
-    job = Job(tmp_path, capsys, 2, registration="fail")
-    status, output = job.finish()
-    assert status == 1, output
-    golden = golden_calls(job.nodes)
-    assert _normalise_tmp(job.calls(), tmp_path) == golden["bring_up"] + golden["teardown"]
-    assert "1 of 2 node(s) registered" in output
+SBATCH = """#!/bin/bash
+echo "sbatch $*" >>"$SHIM_LOG"
+echo "4243;cluster"
+"""
 
 
-def test_preflight_names_the_node_that_differs_and_starts_no_ray(tmp_path, capsys):
-    facts = _facts(_nodes(2), node002={"torch": "2.5.1"})
-    job = Job(tmp_path, capsys, 2, facts=facts)
-    status, output = job.finish()
-    assert status == 1, output
-    assert "preflight: node node002: torch 2.5.1 differs from node001's 2.4.0" in output
-    assert not [call for call in job.calls() if "megarl_ray_node" in call or "megarl train" in call]
+def _stand_ins(tmp_path: Path, monkeypatch, **scripts: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "slurm-calls.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SHIM_LOG", str(log))
+    return log
+
+
+def test_submit_freezes_the_resolved_recipe_and_the_sources(tmp_path, capsys, monkeypatch):
+    log = _stand_ins(tmp_path, monkeypatch, sbatch=SBATCH, squeue="#!/bin/bash\n", sacct="#!/bin/bash\nexit 1\n",
+                     scontrol="#!/bin/bash\nexit 1\n")
+    argv = ["submit", str(QUICKSTART), "--nodes", "1", "--requeue", "--set", f"trainer.output_dir={tmp_path / 'runs'}",
+            "--set", "trainer.total_steps=7"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "runs" / "quickstart-grpo-cpu"
+    assert f"submitted job 4243 (1 node(s)): run dir {run_dir}" in out
+    assert "a preemption needs the partition's GraceTime >=" in out
+    assert log.read_text() == f"sbatch --parsable {run_dir}/slurm/megarl.sbatch\n"
+    frozen = load_recipe(run_dir / "slurm" / "recipe.yaml")
+    assert frozen == load_recipe(QUICKSTART, [f"trainer.output_dir={tmp_path / 'runs'}", "trainer.total_steps=7"])
+    code = run_dir / "slurm" / "code"
+    source = json.loads((code / "SOURCE.json").read_text())
+    assert source["digest"] == megarl_source_digest() and source["from"] == str(REPO / "megarl")
+    assert (code / "megarl" / "processes.py").read_bytes() == (REPO / "megarl" / "processes.py").read_bytes()
+    assert (code / "megarl" / "assets").is_dir() and not list(code.rglob("__pycache__"))
+    # The frozen copy is what the job imports, with the same digest preflight compares across nodes.
+    digest = subprocess.run([sys.executable, "-c", "from megarl.submit.preflight import megarl_source_digest as d; "
+                             "import megarl; print(d(), megarl.__file__)"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(code)}, check=True).stdout.split()
+    assert digest == [megarl_source_digest(), str(code / "megarl" / "__init__.py")]
+    record = json.loads((run_dir / "slurm" / "job.json").read_text())
+    assert record["job_id"] == "4243" and record["requeue"] is True and record["recipe"] == str(QUICKSTART)
+
+
+def test_submit_checks_the_inputs_it_can_see_and_names_those_it_cannot(tmp_path, capsys, monkeypatch):
+    _stand_ins(tmp_path, monkeypatch, sbatch=SBATCH, squeue="#!/bin/bash\n", sacct="#!/bin/bash\nexit 1\n",
+               scontrol="#!/bin/bash\nexit 1\n")
+    base = ["submit", str(QUICKSTART), "--nodes", "1", "--set", f"trainer.output_dir={tmp_path / 'runs'}"]
+    not_a_tokenizer = tmp_path / "tok"
+    not_a_tokenizer.mkdir()
+    assert main([*base, "--set", f"model.tokenizer={not_a_tokenizer}"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: model.tokenizer: ")
+    assert not (tmp_path / "runs" / "quickstart-grpo-cpu" / "slurm" / "job.json").exists()
+    # The cluster recipe's model and data live on the cluster's filesystems, not here: named, not refused.
+    assert main(["submit", str(QWEN), "--nodes", "2", "--set", f"trainer.output_dir={tmp_path / 'runs'}"]) == 0
+    out = capsys.readouterr().out
+    home = Path("~").expanduser()
+    assert [line for line in out.splitlines() if line.startswith("note: ")] == [
+        f"note: {key}: {path} is not visible from this node; the job checks it on its nodes when it starts"
+        for key, path in (("model.path", "/models/Qwen3-8B"), ("model.tokenizer", "/models/Qwen3-8B"),
+                          ("data.train_files[0]", f"{home}/data/gsm8k/train.parquet"),
+                          ("data.train_files[1]", f"{home}/data/math/train.parquet"),
+                          ("data.val_files[0]", f"{home}/data/gsm8k/test.parquet"),
+                          ("data.val_files[1]", f"{home}/data/math/test.parquet"))]
+
+
+def _status_run(tmp_path: Path, *, starts: list[dict], log_lines: str = "", checkpoint: int | None = None) -> Path:
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    log = run_dir / "logs" / "slurm-77.out"
+    log.parent.mkdir()
+    log.write_text(log_lines)
+    (run_dir / "slurm" / "job.json").write_text(json.dumps({"job_id": "77", "log": str(log), "nodes": 2}))
+    (run_dir / "slurm" / "job-77.jsonl").write_text("".join(json.dumps(start) + "\n" for start in starts))
+    if checkpoint is not None:
+        step = run_dir / "checkpoints" / f"step_{checkpoint}"
+        step.mkdir(parents=True)
+        from megarl.controller import checkpointing
+
+        (step / checkpointing.MARKER).write_text(json.dumps({"format_version": checkpointing.FORMAT_VERSION,
+                                                              "step": checkpoint}))
+    return run_dir
+
+
+# sacct without an accounting database answers only with --completion (the job completion log).
+SACCT = """#!/bin/bash
+echo "sacct $*" >>"$SHIM_LOG"
+case "$*" in *--completion*) printf '%s\n' "$SHIM_SACCT" ;; *) echo "Slurm accounting storage is disabled" >&2; exit 1 ;; esac
+"""
+
+
+@pytest.mark.parametrize("starts, sacct, checkpoint, expected", [
+    ([{"restart": 0, "status": 0}], "COMPLETED|0:0|00:09:00|n[1-2]", 5, "job 77: finished (Slurm state COMPLETED, "
+                                                                          "exit code 0:0)"),
+    ([{"restart": 0, "status": 75, "requeued": False}], "FAILED|75:0|00:03:00|n[1-2]", 3,
+     "job 77: preempted, resumable from step 3 (Slurm state FAILED, exit code 75:0); resume: megarl submit "),
+    ([], "PREEMPTED|0:0|00:01:00|n[1-2]", None, "job 77: preempted, no checkpoint yet (Slurm state PREEMPTED"),
+    ([{"restart": 0, "status": 1}], "FAILED|1:0|00:00:40|n1", None,
+     "job 77: failed: status 1: preflight: node n2: torch 2.5.1 differs from n1's 2.4.0 (Slurm state FAILED"),
+])
+def test_status_of_an_ended_job_comes_from_sacct_and_the_jobs_record(tmp_path, capsys, monkeypatch, starts, sacct,
+                                                                      checkpoint, expected):
+    log = _stand_ins(tmp_path, monkeypatch, squeue="#!/bin/bash\n", sacct=SACCT, scontrol="#!/bin/bash\nexit 1\n")
+    monkeypatch.setenv("SHIM_SACCT", sacct)
+    run_dir = _status_run(tmp_path, starts=starts, checkpoint=checkpoint,
+                          log_lines="preflight: node n2: torch 2.5.1 differs from n1's 2.4.0\n")
+    assert main(["submit", "--status", str(run_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith(expected), shown
+    assert "sacct --completion --noheader --parsable2 --allocations --jobs 77" in log.read_text()
+
+
+def test_status_of_a_running_job_and_cancel(tmp_path, capsys, monkeypatch):
+    log = _stand_ins(tmp_path, monkeypatch, squeue="#!/bin/bash\necho 'RUNNING|1:02|n[1-2]|None'\n",
+                     scancel='#!/bin/bash\necho "scancel $*" >>"$SHIM_LOG"\n')
+    run_dir = _status_run(tmp_path, starts=[{"restart": 0, "status": 75, "requeued": True}])
+    assert main(["submit", "--status", str(run_dir)]) == 0
+    assert capsys.readouterr().out.startswith("job 77: RUNNING, on n[1-2], elapsed 1:02, 1 earlier start(s)\n")
+    assert main(["submit", "--cancel", str(run_dir)]) == 0
+    assert "job 77: sent SIGTERM to its batch script" in capsys.readouterr().out
+    assert log.read_text() == "scancel --batch --signal=TERM 77\n"
+    assert (run_dir / "slurm" / "cancel-77").exists()  # the job will not requeue itself
 
 
 def test_refuses_a_recipe_that_needs_more_nodes_than_asked_for(tmp_path, capsys):
@@ -353,7 +320,8 @@ def test_preflight_check_names_each_node_and_difference():
 def test_port_blocks_of_different_jobs_do_not_overlap(monkeypatch):
     monkeypatch.delenv("MEGARL_RAY_PORT_BASE", raising=False)
     blocks = [set(port for _, port in block_for(seed).every_port()) for seed in range(NUM_BLOCKS)]
-    assert all(len(block) == BLOCK_SIZE - 2 for block in blocks)  # 8 named + 190 worker ports, 2 spare
+    # 8 named and 512 worker ports: Ray's idle workers for 128 CPUs plus the actors, three times over.
+    assert WORKER_PORTS >= 3 * (128 + 40) and all(len(block) == 8 + WORKER_PORTS for block in blocks)
     assert len(set().union(*blocks)) == sum(len(block) for block in blocks)
     assert min(min(block) for block in blocks) == FIRST_PORT and max(max(block) for block in blocks) < 32768
     assert block_for(JOB_ID).named()["gcs"] == PORT and block_for(JOB_ID + NUM_BLOCKS).base == PORT
@@ -361,9 +329,3 @@ def test_port_blocks_of_different_jobs_do_not_overlap(monkeypatch):
     assert block_for(JOB_ID).base == 15000
 
 
-def test_head_ip_comes_from_the_named_interface(monkeypatch):
-    monkeypatch.setenv("MEGARL_RAY_IFACE", "lo")
-    assert head_ip() == "127.0.0.1"
-    monkeypatch.setenv("MEGARL_RAY_IFACE", "nosuchif0")
-    with pytest.raises(OSError):
-        head_ip()

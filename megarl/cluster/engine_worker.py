@@ -18,7 +18,9 @@ import torch
 
 from megarl.cluster.worker_group import WorkerGroup
 from megarl.config.settings import Batching, EngineSettings, WeightSyncSettings
-from megarl.ports import free_port, node_address
+from megarl.net import node_address
+from megarl.ports import free_port
+from megarl.processes import shield_ray_actor
 from megarl.protocol import Batch
 
 ENGINE_KINDS = ("policy", "value", "reward")
@@ -39,6 +41,7 @@ def _redirect_output(log_path: str) -> None:
 
 class MegatronWorker:
     def __init__(self, *, rank: int, world_size: int, log_path: str | None = None):
+        shield_ray_actor()  # under a launcher, SIGTERM is the driver's: it checkpoints through this rank
         self.rank, self.world_size = rank, world_size
         if log_path is not None:
             _redirect_output(log_path)
@@ -48,10 +51,10 @@ class MegatronWorker:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     def master_endpoint(self) -> tuple[str, int]:
-        """Called on rank 0: where the other ranks meet it for the process group (its node's routable address,
-        which a one-rank engine does not need)."""
+        """Called on rank 0: where the other ranks meet it for the process group: loopback for a single rank,
+        else this node's routable address (`megarl.net.node_address`), never what the hostname resolves to."""
         host = "127.0.0.1" if self.world_size == 1 else node_address()
-        return host, free_port("")  # the store listens on every interface
+        return host, free_port("" if self.world_size > 1 else "127.0.0.1")
 
     def init_engine(self, settings: EngineSettings, *, master_addr: str, master_port: int, hf_config: dict,
                     weights: str | None) -> None:

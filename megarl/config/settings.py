@@ -121,7 +121,7 @@ class PreferenceUpdateSettings:
 class WeightSyncSettings:
     """How the actor's weights reach the rollout fleet (`weight_sync` in the recipe): buckets of at most
     `bucket_bytes` (the recipe's `bucket_mb` MiB); `disk_dir` is the run-local directory the disk transport
-    writes to."""
+    writes to; `pause_mode` how a sync meets running requests (SGLang's `pause_generation` mode, or None)."""
 
     transport: str
     bucket_bytes: int
@@ -129,6 +129,9 @@ class WeightSyncSettings:
     timeout_s: float
     disk_dir: str
     lora: str  # with LoRA: "merged" weights, or "adapter" only
+    # How a sync meets running requests: pause them "in_place" (they go on under the new weights), "abort" them
+    # (partial rollouts re-send them), or None: the update waits for them to finish.
+    pause_mode: str | None = "in_place"
 
 
 @dataclass(frozen=True)
@@ -146,11 +149,26 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class AsyncSettings:
+    """Asynchronous RL (`rollout.async`): generation up to `max_staleness` weight versions ahead; weight syncs
+    while requests are paused in place (`in_flight_updates`) or, with `partial_rollouts`, after aborting them
+    and re-sending what they generated; stale tokens corrected with `correction_mode` ("truncate", "mask" or
+    "off") at `correction_level` ("token" or "sequence") with the cap `correction_cap`."""
+
+    max_staleness: int
+    in_flight_updates: bool
+    partial_rollouts: bool
+    correction_mode: str
+    correction_level: str
+    correction_cap: float
+
+
+@dataclass(frozen=True)
 class StepSettings:
     """The per-step knobs of `Trainer.step`: `rollout_n` responses per prompt drawn with `sampling` (whose
     temperature the log-prob pass uses too), the advantage estimator and its options, the KL-in-reward
     penalty, batch balancing, the critic's warm-up steps and `num_devices`, every device of the placement
-    (perf/throughput is per device)."""
+    (perf/throughput is per device); `async_rollout` for asynchronous RL (None: synchronous)."""
 
     rollout_n: int
     sampling: SamplingSettings
@@ -165,6 +183,7 @@ class StepSettings:
     balance_batch: bool
     critic_warmup: int
     num_devices: int
+    async_rollout: AsyncSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -371,7 +390,17 @@ def weight_sync_settings(recipe: Recipe, run_dir: Path) -> WeightSyncSettings:
         timeout_s=sync.timeout_s,
         disk_dir=str(Path(run_dir) / "weight_sync"),
         lora=sync.lora,
+        pause_mode=_pause_mode(recipe),
     )
+
+
+def _pause_mode(recipe: Recipe) -> str | None:
+    """The synchronous loop syncs between generations (nothing runs: in place, as ever); asynchronous RL pauses in
+    place only with in-flight updates, aborts with partial rollouts, else lets the update wait."""
+    section = recipe.rollout.async_
+    if section is None or section.in_flight_updates:
+        return "in_place"
+    return "abort" if section.partial_rollouts else None
 
 
 def lora_settings(recipe: Recipe) -> LoraSettings | None:
@@ -449,7 +478,19 @@ def step_settings(recipe: Recipe, *, sampling: SamplingSettings, num_devices: in
         balance_batch=recipe.trainer.balance_batch,
         critic_warmup=recipe.critic.warmup_steps if recipe.critic else 0,
         num_devices=num_devices,
+        async_rollout=async_settings(recipe),
     )
+
+
+def async_settings(recipe: Recipe) -> AsyncSettings | None:
+    """`rollout.async`'s settings, None for the synchronous loop."""
+    section = recipe.rollout.async_
+    if section is None:
+        return None
+    correction = section.correction
+    return AsyncSettings(max_staleness=section.max_staleness, in_flight_updates=section.in_flight_updates,
+                         partial_rollouts=section.partial_rollouts, correction_mode=correction.mode,
+                         correction_level=correction.level, correction_cap=correction.cap)
 
 
 def sleeps_between_phases(recipe: Recipe) -> bool:

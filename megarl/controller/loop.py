@@ -6,7 +6,8 @@ is requested (`Preemption`), a step that has not begun to update is abandoned an
 controller state it consumed (the loader's batch, the KL controller, the RNGs) is
 rolled back; an interrupted validation is skipped. The loop then saves the state after
 the last complete step (unless the newest checkpoint already holds it) and raises
-`Preempted`.
+`Preempted`. With `rollout.async` the steps train on what `AsyncRollout` generated ahead,
+and a checkpoint records its resume point (see `megarl.controller.rollout_ahead`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megarl.controller import run_state
 from megarl.controller.checkpointing import StepCheckpoint, save_step
 from megarl.controller.preemption import Preempted, Preemption
 from megarl.controller.roles import Roles
+from megarl.controller.rollout_ahead import AsyncRollout
 from megarl.controller.samples import decode_rows, write_samples
 from megarl.controller.step import StepAbandoned, Trainer
 from megarl.controller.validation import validate
@@ -34,11 +36,13 @@ logger = logging.getLogger(__name__)
 
 class StepLoop:
     def __init__(self, recipe: Recipe, *, run_dir: Path, trainer: Trainer, roles: Roles, data, tracker: Tracker,
-                 preemption: Preemption, newest: StepCheckpoint | None, val_sampling: SamplingSettings):
-        """`val_sampling`: how validation samples (`config.settings.validation_sampling`)."""
+                 preemption: Preemption, newest: StepCheckpoint | None, val_sampling: SamplingSettings,
+                 ahead: AsyncRollout | None = None):
+        """`val_sampling`: how validation samples (`config.settings.validation_sampling`); `ahead`: asynchronous
+        RL's producer and buffer (`rollout.async`), None for one synchronous step after another."""
         self.recipe, self.run_dir, self.trainer, self.roles = recipe, run_dir, trainer, roles
         self.data, self.tracker, self.preemption, self.newest = data, tracker, preemption, newest
-        self.val_sampling = val_sampling
+        self.val_sampling, self.ahead = val_sampling, ahead
 
     def run(self, start_step: int) -> None:
         """Steps `start_step + 1 .. trainer.total_steps` (numbered from 1, as logged)."""
@@ -50,10 +54,12 @@ class StepLoop:
         for step in range(start_step, settings.total_steps):
             if self.preemption.requested:
                 self._stop(step)
-            before, prompts = self._state(step), Batch.from_dict(next(self.data.train_batches))
+            if self.ahead is not None:
+                self.ahead.admit_until(step)
+            before = self._state(step)
             try:
                 with measure_batch_ops() as batch_ops:
-                    metrics = self.trainer.step(step, prompts)
+                    metrics = self._step(step)
                 metrics["perf/batch_ops_s"] = batch_ops.seconds
             except StepAbandoned as abandoned:
                 run_state.restore(before, loader=self.data.train_batches, kl_ctrl=self.data.kl_ctrl)
@@ -72,9 +78,22 @@ class StepLoop:
             if self.preemption.requested:
                 self._stop(step + 1)
 
+    def _step(self, step: int) -> dict[str, float]:
+        if self.ahead is None:
+            return self.trainer.step(step, Batch.from_dict(next(self.data.train_batches)))
+        metrics, groups = self.trainer.step_ahead(step, self.ahead)
+        self.ahead.commit(groups)
+        self.ahead.admit_until(step + 1)  # the next batch starts on the weights just synced
+        return metrics
+
     def _state(self, step: int) -> dict:
-        return run_state.capture(step=step, weight_version=int(self.roles.rollout.weight_version),
-                                 loader=self.data.train_batches, kl_ctrl=self.data.kl_ctrl)
+        state = run_state.capture(step=step, weight_version=int(self.roles.rollout.weight_version),
+                                  loader=self.data.train_batches, kl_ctrl=self.data.kl_ctrl)
+        if self.ahead is not None:
+            # The loader has run ahead; a resume starts at the oldest batch with an untrained group.
+            state["async"] = self.ahead.state()
+            state["loader"] = state["async"].pop("loader")
+        return state
 
     def _save(self, step: int) -> None:
         checkpoint = self.recipe.trainer.checkpoint
@@ -101,6 +120,8 @@ class StepLoop:
             return {}
         if rows:
             write_samples(self.run_dir, "val", step, rows)
+        logger.info("validation at step %d: %s", step,
+                    "  ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
         return metrics
 
     def _write_train_samples(self, step: int) -> None:

@@ -1,7 +1,7 @@
 """The data-shaping parts of a step: uids, the generation batch, assembling responses, masks, advantages.
 
 Each function takes and returns a `Batch` (or tensors) and does one thing of the
-phase table in DESIGN.md §1; the step (`step.py`) calls them in order.
+phase table in docs/step.md; the step (`step.py`) calls them in order.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import numpy as np
 
 from megarl.algorithms.advantages import estimate_advantages
 from megarl.algorithms.kl import apply_kl_in_reward
+from megarl.algorithms.rollout_correction import behaviour_log_probs, corrected_advantages, importance_weights
 from megarl.protocol import Batch
 # The rollout-side helpers are part of this module's API (the step loop and the SFT warm-up use them).
 from megarl.rollout.batching import assemble_rollout, prompt_token_lists
 
 __all__ = [
     "GENERATION_KEYS", "add_response_mask", "add_uids", "apply_kl", "assemble_rollout", "compute_advantage",
-    "prompt_token_lists", "split_generation_batch",
+    "off_policy_corrected", "prompt_token_lists", "split_generation_batch",
 ]
 
 GENERATION_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -76,3 +77,20 @@ def compute_advantage(batch: Batch, *, estimator: str, gamma: float, lam: float,
         inputs["values"] = batch["values"]
     batch["advantages"], batch["returns"] = estimate_advantages(estimator, **inputs)
     return batch
+
+
+def off_policy_corrected(batch: Batch, *, proximal_version: int, mode: str, level: str,
+                         cap: float) -> tuple[Batch, dict[str, float]]:
+    """The actor's view of `batch` with the rollout correction (`megarl.algorithms.rollout_correction`):
+    advantages times the importance weight between the proximal policy (`old_log_probs`, weights
+    `proximal_version`) and the behaviour policy (the engine's `rollout_log_probs` of tokens whose
+    `token_versions` are older), masked tokens out of `response_mask`; and the rollout_corr/* metrics.
+    `batch` itself keeps its advantages (the critic and the logged metrics read those)."""
+    proximal = batch["old_log_probs"]
+    behaviour = behaviour_log_probs(batch["rollout_log_probs"], proximal, batch["token_versions"], proximal_version)
+    weights, kept, metrics = importance_weights(proximal, behaviour, batch["response_mask"], mode=mode,
+                                                level=level, cap=cap)
+    view = batch.select(batch.keys())
+    view["advantages"] = corrected_advantages(batch["advantages"], weights)
+    view["response_mask"] = kept.to(batch["response_mask"].dtype)
+    return view, metrics

@@ -10,6 +10,7 @@ is stopped here, by handle, also when a signal stops the run (`preemption`).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 from collections.abc import Callable
@@ -36,12 +37,14 @@ from megarl.config.settings import (
     rollout_fleet_settings,
     rollout_sampling,
     sleeps_between_phases,
+    StepSettings,
     step_settings,
     validation_sampling,
     value_update_settings,
     weight_sync_settings,
 )
 from megarl.controller import run_state
+from megarl.controller.banner import start_banner
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
 from megarl.controller.checkpointing import StepCheckpoint, load_step
 from megarl.controller.loop import StepLoop
@@ -51,12 +54,15 @@ from megarl.controller.preflight import check_checkpoints, prepare_run_dir
 from megarl.controller.resume import resume_or_start
 from megarl.controller.reward_setup import start_reward_loop
 from megarl.controller.roles import CriticRole, PolicyRole, Roles
+from megarl.controller.rollout_ahead import AsyncRollout
 from megarl.controller.sft import run_sft_warmup
 from megarl.controller.step import Trainer
 from megarl.errors import InputError
 from megarl.rollout import RolloutFleet
 from megarl.tracking.tracker import Tracker, controller_log
 from megarl.tracking.wandb_sink import WandbSink
+
+logger = logging.getLogger(__name__)
 
 
 def _engine_group(recipe: Recipe, role: str, pool, *, hf_config: dict, weights: Path, log_dir: Path) -> WorkerGroup:
@@ -194,6 +200,22 @@ def _start_roles(recipe: Recipe, *, pools, weights: Path, data, sampling: Sampli
     return roles
 
 
+def _async_rollout(recipe: Recipe, settings: StepSettings, *, roles: Roles, data,
+                   resume_from: StepCheckpoint | None, start_step: int, cleanup: ExitStack) -> AsyncRollout | None:
+    """The producer and buffer of `rollout.async` (None without it), continuing a checkpoint's resume point (one
+    written by a synchronous run: its next step's batch)."""
+    if settings.async_rollout is None:
+        return None
+    ahead = AsyncRollout(roles.rollout, data.train_batches, sampling=settings.sampling, rollout_n=settings.rollout_n,
+                         batch_size=recipe.data.train_batch_size, max_staleness=settings.async_rollout.max_staleness,
+                         total_steps=recipe.trainer.total_steps,
+                         in_flight_updates=settings.async_rollout.in_flight_updates)
+    state = resume_from.controller_state().get("async") if resume_from is not None else None
+    ahead.restore(state if state is not None else {"next_batch": start_step, "trained": {}})
+    cleanup.callback(ahead.close)
+    return ahead
+
+
 def _tracker(recipe: Recipe, run_dir: Path, resume_from: StepCheckpoint | None) -> Tracker:
     logging = recipe.trainer.logging
     wandb = logging.wandb
@@ -218,7 +240,13 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
     if problems:
         raise InputError(problems)
     run_dir = prepare_run_dir(recipe)
-    resume_from = resume_or_start(run_dir, recipe, say=lambda line: print(f"megarl: {line}", flush=True))
+    decisions: list[str] = []  # shown now, written to controller.log once it is open
+
+    def decide(line: str) -> None:
+        decisions.append(line)
+        print(f"megarl: {line}", flush=True)
+
+    resume_from = resume_or_start(run_dir, recipe, say=decide)
     start_step = resume_from.step if resume_from is not None else 0
     if start_step >= recipe.trainer.total_steps:
         print(f"megarl: {run_dir} already completed step {start_step} (trainer.total_steps="
@@ -231,8 +259,12 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
     checkpoint = recipe.trainer.checkpoint
 
     with controller_log(run_dir), ExitStack() as cleanup:
+        for line in decisions:
+            logger.info(line)
         tracker = _tracker(recipe, run_dir, resume_from)
         cleanup.callback(tracker.close)
+        for line in start_banner(recipe, run_dir, resume_from):
+            tracker.message(line)
         ray_for_run(cleanup, ray_address)
         # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
         preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
@@ -242,11 +274,13 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
         roles = _start_roles(recipe, pools=pools, weights=weights, data=data, sampling=sampling, run_dir=run_dir,
                              tracker=tracker, cleanup=cleanup, resume_from=resume_from, preemption=preemption)
         preemption.on_request(roles.rollout.stop_generating)
-        trainer = Trainer(roles, step_settings(recipe, sampling=sampling, num_devices=total_devices(pools)),
-                          stop_requested=lambda: preemption.requested, on_phase=on_phase)
+        settings = step_settings(recipe, sampling=sampling, num_devices=total_devices(pools))
+        trainer = Trainer(roles, settings, stop_requested=lambda: preemption.requested, on_phase=on_phase)
+        ahead = _async_rollout(recipe, settings, roles=roles, data=data, resume_from=resume_from,
+                               start_step=start_step, cleanup=cleanup)
         loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
                         preemption=preemption, newest=resume_from,
-                        val_sampling=validation_sampling(recipe, eos_token_id=eos))
+                        val_sampling=validation_sampling(recipe, eos_token_id=eos), ahead=ahead)
         loop.run(start_step)
     return run_dir
 

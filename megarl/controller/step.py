@@ -1,4 +1,4 @@
-"""One PPO/GRPO step: the phase table of DESIGN.md §1.
+"""One PPO/GRPO step: the phase table of docs/step.md.
 
 `Trainer.step()` reads top to bottom like that table, one call per phase, each
 timed under `timing_s/<phase>`. The reward phase starts during generation (each row
@@ -26,9 +26,12 @@ from megarl.algorithms.metrics import compute_data_metrics, compute_throughput_m
 from megarl.algorithms.metrics import rollout_logprob_diff
 from megarl.config.settings import StepSettings
 from megarl.controller import phases
+from megarl.controller.group_buffer import Group
 from megarl.controller.roles import Roles
+from megarl.controller.rollout_ahead import AsyncRollout, assemble
 from megarl.protocol import Batch
 from megarl.rollout import GenerationInterrupted
+from megarl.rollout.batching import rollout_batch
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ class Trainer:
 
     def step(self, step: int, prompts: Batch) -> dict[str, float]:
         """Run one step on a batch of prompts; returns the step's metrics."""
-        r, s, metrics = self.roles, self.settings, {}
+        r, s = self.roles, self.settings
         self.timings, self._step = {}, step
         with self._timed("step"):
             batch = phases.add_uids(prompts)
@@ -88,45 +91,81 @@ class Trainer:
                 scoring = r.reward.begin(batch, gen_batch)
                 rollout = r.generate(gen_batch, s.sampling, seed=step, on_rows=scoring.add)
             batch = phases.add_response_mask(batch.union(rollout))
-            order = np.arange(len(batch))  # the generation row of each batch row
-            if s.balance_batch:
-                batch, order = batch.balance(r.actor.dp_size)
-            actor_updates = step >= s.critic_warmup  # the critic warm-up freezes the actor
-            self._cycle("onload", lambda: r.memory.wake_trainers(actor_updates=actor_updates))
-            with self._timed("reward"):
-                batch, reward_metrics = scoring.finish(batch, rows=order)
-            self.timings["reward_total"] = scoring.busy_seconds
-            with self._timed("old_log_prob"):
-                batch, entropy_metrics = r.actor.compute_log_prob(batch, temperature=s.sampling.temperature)
-            if r.reference is not None:
-                with self._timed("ref"):
-                    batch = r.reference.compute_ref_log_prob(batch, temperature=s.sampling.temperature)
-            if r.critic is not None:
-                with self._timed("values"):
-                    batch = r.critic.compute_values(batch)
-            with self._timed("adv"):
-                if s.use_kl_in_reward:
-                    metrics.update(r.apply_kl_in_reward(batch, kind=s.kl_penalty))
-                else:
-                    batch["token_level_rewards"] = batch["token_level_scores"]
-                batch = phases.compute_advantage(
-                    batch, estimator=s.adv_estimator, gamma=s.gamma, lam=s.lam, norm_by_std=s.norm_adv_by_std
-                )
-            if r.critic is not None:
-                with self._timed("update_critic"):
-                    metrics.update(r.critic.update(batch))
-            if actor_updates:
-                with self._timed("update_actor"):
-                    metrics.update(r.actor.update(batch))
-            self._cycle("offload", r.memory.before_sync)
-            # A frozen actor's weights are the fleet's already: nothing to sync.
-            if actor_updates:
-                with self._timed("update_weights"):
-                    metrics.update(r.sync_weights(version=step + 1))
-            self._cycle("offload", r.memory.after_sync)
+            batch, metrics = self._train(step, batch, scoring)
+        return self._finish(batch, metrics)
+
+    def step_ahead(self, step: int, ahead: AsyncRollout) -> tuple[dict[str, float], list[Group]]:
+        """One step of asynchronous RL: train on the oldest complete groups `ahead` has generated (the wait for
+        them is `timing_s/gen`); returns the metrics and the groups trained (`ahead.commit` them)."""
+        r, s = self.roles, self.settings
+        self.timings, self._step = {}, step
+        version = int(r.rollout.weight_version)  # the proximal policy's: the trainer's weights, as synced
+        with self._timed("step"):
+            with self._timed("gen"):
+                groups, async_metrics = ahead.take(version=version, stop_requested=self.stop_requested)
+            width = s.sampling.max_new_tokens
+            rows, gen_batch, results, versions = assemble(groups, version=version, width=width)
+            scoring = r.reward.begin(rows, gen_batch)
+            scoring.add(list(range(len(results))), results)
+            rollout = rollout_batch(gen_batch, results, pad_id=r.rollout.pad_token_id, max_response_length=width)
+            rollout["token_versions"] = versions
+            batch = phases.add_response_mask(rows.union(rollout))
+            batch, metrics = self._train(step, batch, scoring, proximal_version=version)
+        metrics.update(async_metrics)
+        return self._finish(batch, metrics), groups
+
+    def _train(self, step: int, batch: Batch, scoring, *,
+               proximal_version: int | None = None) -> tuple[Batch, dict[str, float]]:
+        """The phases after generation, reward to weight sync, on the generated `batch`."""
+        r, s, metrics = self.roles, self.settings, {}
+        order = np.arange(len(batch))  # the generation row of each batch row
+        if s.balance_batch:
+            batch, order = batch.balance(r.actor.dp_size)
+        actor_updates = step >= s.critic_warmup  # the critic warm-up freezes the actor
+        self._cycle("onload", lambda: r.memory.wake_trainers(actor_updates=actor_updates))
+        with self._timed("reward"):
+            batch, reward_metrics = scoring.finish(batch, rows=order)
+        self.timings["reward_total"] = scoring.busy_seconds
+        with self._timed("old_log_prob"):
+            batch, entropy_metrics = r.actor.compute_log_prob(batch, temperature=s.sampling.temperature)
+        if r.reference is not None:
+            with self._timed("ref"):
+                batch = r.reference.compute_ref_log_prob(batch, temperature=s.sampling.temperature)
+        if r.critic is not None:
+            with self._timed("values"):
+                batch = r.critic.compute_values(batch)
+        with self._timed("adv"):
+            if s.use_kl_in_reward:
+                metrics.update(r.apply_kl_in_reward(batch, kind=s.kl_penalty))
+            else:
+                batch["token_level_rewards"] = batch["token_level_scores"]
+            batch = phases.compute_advantage(
+                batch, estimator=s.adv_estimator, gamma=s.gamma, lam=s.lam, norm_by_std=s.norm_adv_by_std
+            )
+            actor_batch, corrected = batch, s.async_rollout
+            if corrected is not None and proximal_version is not None:
+                actor_batch, correction_metrics = phases.off_policy_corrected(
+                    batch, proximal_version=proximal_version, mode=corrected.correction_mode,
+                    level=corrected.correction_level, cap=corrected.correction_cap)
+                metrics.update(correction_metrics)
+        if r.critic is not None:
+            with self._timed("update_critic"):
+                metrics.update(r.critic.update(batch))
+        if actor_updates:
+            with self._timed("update_actor"):
+                metrics.update(r.actor.update(actor_batch))
+        self._cycle("offload", r.memory.before_sync)
+        # A frozen actor's weights are the fleet's already: nothing to sync.
+        if actor_updates:
+            with self._timed("update_weights"):
+                metrics.update(r.sync_weights(version=step + 1))
+        self._cycle("offload", r.memory.after_sync)
         metrics.update(reward_metrics)
-        metrics.update(r.peak_memory())
         metrics.update(entropy_metrics)
+        return batch, metrics
+
+    def _finish(self, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
+        metrics.update(self.roles.peak_memory())
         metrics.update(self._step_metrics(batch))
         self.last_batch = batch
         return metrics

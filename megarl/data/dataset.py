@@ -83,7 +83,7 @@ def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]],
 
 
 class RLDataset:
-    """Rows in DESIGN.md §2 format (read from parquet files, or generated), with chat-templated prompt token ids
+    """Rows in the format of docs/data.md (read from parquet files, or generated), with chat-templated prompt token ids
     (showing `tools`, the function schemas of a multi-turn run, where the template shows tools).
 
     Prompts longer than `max_prompt_length` tokens are dropped (counted in `num_dropped`).

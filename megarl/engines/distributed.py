@@ -4,6 +4,9 @@ Each engine rank (a `torch.multiprocessing.spawn` child in tests, a Ray actor in
 controller) calls `init_distributed` once before building a model and
 `destroy_distributed` before exiting. On a CPU-only machine it installs the CPU
 compatibility layer first and uses gloo; with CUDA it pins the device and uses NCCL.
+Gloo (the CPU backend, and megatron's CPU-side groups on GPUs) is pointed at the
+card that reaches the master: by default it binds to whatever the hostname resolves
+to, 127.0.1.1 under Debian's default /etc/hosts.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import torch
 
 from megarl.engines import cpu_compat
+from megarl.net import gloo_interface_toward, host_port
 
 
 def init_distributed(
@@ -45,10 +49,11 @@ def init_distributed(
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
+    gloo_interface_toward(master_addr)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
             backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
+            init_method=f"tcp://{host_port(master_addr, master_port)}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

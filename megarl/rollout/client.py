@@ -303,6 +303,31 @@ class RolloutClient:
             return text
 
 
+    async def stream(self, url: str, endpoint: str, body: Any) -> list[Any]:
+        """A streamed POST (`stream: true` in `body`): every `data:` event's JSON, in order, until `data: [DONE]`.
+
+        Errors as `request`'s; an event carrying `error` (SGLang streams a failure that way) raises it."""
+        events: list[Any] = []
+        try:
+            async with self._ensure_session().post(f"{url}{endpoint}", json=body) as response:
+                if response.status >= 400:
+                    raise RolloutError(url, endpoint, response.status, _error_message(await response.text()))
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[len("data:"):].strip()
+                    if payload == "[DONE]":
+                        return events
+                    event = json.loads(payload)
+                    if isinstance(event, dict) and "error" in event:
+                        raise RolloutError(url, endpoint, 500, _error_message(payload))
+                    events.append(event)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            raise RolloutError(url, endpoint, None, f"{type(error).__name__}: {error}") from error
+        raise RolloutError(url, endpoint, None, "the stream ended without data: [DONE]")
+
+
 def _error_message(text: str) -> str:
     """The message inside SGLang's error bodies (`{"error": {"message"}}`, `{"message"}`, a LoRA reply's
     `{"error_message"}`), else the raw text."""

@@ -19,6 +19,7 @@ ignores the seed and a retry draws another sample.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any, Awaitable, Callable, Protocol
 
 from megarl.config.settings import SamplingSettings
@@ -29,6 +30,7 @@ from megarl.rollout.sampling import generate_body
 RETRYABLE_STATUS = frozenset({500, 502, 503, 504})
 
 Request = Callable[[str, str, str, Any], Awaitable[Any]]
+Stream = Callable[[str, str, Any], Awaitable[list[Any]]]
 
 
 class FleetError(RuntimeError):
@@ -65,11 +67,15 @@ async def generate_rows(
     max_attempts: int,
     on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
     lora_path: str | None = None,
+    stream: Stream | None = None,
 ) -> list[GenerationResult]:
     """One result per prompt row, in row order; `groups` partition the rows into shared-prompt requests.
 
     `on_rows(rows, results)` hears about rows as soon as they are generated (on this event loop: it must
-    only hand the work on); each row is reported exactly once."""
+    only hand the work on); each row is reported exactly once. With `stream` (the client's `stream`) requests
+    are streamed and each result lists the weight version of every token (`token_versions`): the version the
+    server reported with the event that brought the token, so a sample that went on under new weights
+    (a weight update while it was paused in place) says which tokens each version generated."""
     results: list[GenerationResult | None] = [None] * len(prompts)
 
     def store(row: int, result: GenerationResult) -> None:
@@ -85,7 +91,12 @@ async def generate_rows(
                                  lora_path=lora_path)
             target = await targets.acquire()
             try:
-                reply = await request(target.url, "POST", "/generate", body)
+                if stream is None:
+                    outputs = _parse(await request(target.url, "POST", "/generate", body), count=len(pending),
+                                     url=target.url)
+                else:
+                    events = await stream(target.url, "/generate", {**body, "stream": True})
+                    outputs = _streamed(events, count=len(pending), url=target.url)
             except RolloutError as error:
                 if not is_retryable(error):
                     raise
@@ -95,7 +106,6 @@ async def generate_rows(
                 continue
             finally:
                 targets.release(target)
-            outputs = _parse(reply, count=len(pending), url=target.url)
             # An aborted sample (server paused or shutting down) is no sample: send it again.
             aborted = [row for row, output in zip(pending, outputs) if output.finish_reason == "abort"]
             done = [(row, output) for row, output in zip(pending, outputs) if output.finish_reason != "abort"]
@@ -132,3 +142,22 @@ def _parse(reply: Any, *, count: int, url: str) -> list[GenerationResult]:
         return [parse_output(item, return_logprob=True) for item in items]
     except (KeyError, TypeError, ValueError) as error:
         raise RolloutError(url, "/generate", 200, f"malformed response: {error!r}") from error
+
+
+def _streamed(events: list[Any], *, count: int, url: str) -> list[GenerationResult]:
+    """The results of a streamed request: each index's last event (cumulative output), and the version of
+    each token from the event that first carried it."""
+    last: dict[int, dict] = {}
+    versions: dict[int, list[str]] = {}
+    try:
+        for event in events:
+            index = int(event.get("index", 0))
+            seen = versions.setdefault(index, [])
+            seen += [str(event["meta_info"]["weight_version"])] * (len(event["output_ids"]) - len(seen))
+            last[index] = event
+        if sorted(last) != list(range(count)):
+            raise ValueError(f"expected outputs 0..{count - 1}, the stream had {sorted(last)}")
+        return [replace(parse_output(last[index], return_logprob=True), token_versions=versions[index])
+                for index in range(count)]
+    except (KeyError, TypeError, ValueError) as error:
+        raise RolloutError(url, "/generate", 200, f"malformed stream: {error!r}") from error

@@ -140,6 +140,7 @@ class RolloutFleet:
         self._closed = False
         self._generation_lock = threading.Lock()
         self._generation: concurrent.futures.Future | None = None
+        self._background: set[concurrent.futures.Future] = set()
         self._generation_stopped = False
         self._client: RolloutClient | None = None
         self._router: RouterHandle | None = None
@@ -197,6 +198,27 @@ class RolloutFleet:
         return rollout_batch(gen_batch, results, pad_id=self.pad_token_id,
                              max_response_length=sampling.max_new_tokens)
 
+    def start_generation(self, gen_batch: Batch, sampling: SamplingSettings, *, seed: int,
+                         on_rows: Callable[[list[int], list[GenerationResult]], None],
+                         per_token_versions: bool = False) -> concurrent.futures.Future:
+        """`generate` without waiting (asynchronous RL): each row's result goes to `on_rows` as it finishes (on
+        the client's loop), the future ends with the call (its exception, if any). Seeds as `generate`'s, so a
+        batch generated this way draws the samples `generate` would. `per_token_versions`: stream the requests,
+        so each result lists its tokens' weight versions (in-flight updates). `stop_generating()` cancels it."""
+        prompts = prompt_token_lists(gen_batch)
+        groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
+        with self._generation_lock:
+            if self._generation_stopped:
+                raise GenerationInterrupted("generation was stopped: the run is shutting down")
+            future = self._client.submit(generate_rows(
+                prompts, groups, sampling=sampling, seed=self.call_seed(seed), targets=self,
+                request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows,
+                lora_path=self.lora_path, stream=self._client.stream if per_token_versions else None,
+            ))
+            self._background.add(future)
+        future.add_done_callback(self._background.discard)
+        return future
+
     def call_seed(self, seed: int) -> int:
         """The seed of a generation call numbered `seed` (the step) in this run; rows derive theirs from it."""
         return self.seed * 100_003 + seed
@@ -245,6 +267,8 @@ class RolloutFleet:
             self._generation_stopped = True
             if self._generation is not None:
                 self._generation.cancel()
+            for future in list(self._background):
+                future.cancel()
 
     def _result_serving_stalls(self, generation: concurrent.futures.Future) -> Any:
         """The generation's results; meanwhile, whenever it stalls with no server left to serve but restarted

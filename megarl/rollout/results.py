@@ -11,12 +11,14 @@ import torch
 @dataclass(frozen=True)
 class GenerationResult:
     """One generated sample: its tokens, their log-probs (None when not asked for), why it stopped, and
-    the weight version the server reported when it finished."""
+    the weight version the server reported when it finished (and per token, when the sample spans two)."""
 
     output_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str  # "length" | "stop" | "abort"
     weight_version: str | None
+    # The version of each token when they differ (a sample that went on under new weights), else None.
+    token_versions: list[str] | None = None
 
 
 def parse_output(item: dict[str, Any], *, return_logprob: bool) -> GenerationResult:

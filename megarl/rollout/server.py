@@ -31,6 +31,7 @@ from typing import Any, Callable
 import yaml
 
 from megarl.ports import free_port
+from megarl.processes import blocked_sigterm, stop_signal
 
 LOG_TAIL_CHARS = 4000
 
@@ -47,6 +48,7 @@ class ServerHandle:
     process: subprocess.Popen
     log_path: Path
     api_key: str | None = None
+    stop_signal: int = signal.SIGTERM  # SIGINT where the server runs shielded from SIGTERM (megarl.processes)
     secrets_path: Path | None = None  # the --config file holding the key, removed once the server stops
     _stopped: bool = field(default=False, repr=False)
 
@@ -61,7 +63,7 @@ class ServerHandle:
             return ""
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL it if it has not exited in `timeout_s`."""
+        """Signal the server's process group (`stop_signal`), then SIGKILL it if it has not exited in `timeout_s`."""
         if self._stopped:
             return
         self._stopped = True
@@ -69,7 +71,7 @@ class ServerHandle:
             if self.process.poll() is not None:
                 return
             # The server was started in its own session, so its process group id is its PID.
-            _signal_group(self.process.pid, signal.SIGTERM)
+            _signal_group(self.process.pid, self.stop_signal)
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -155,14 +157,18 @@ def cpu_engine_command(
 
 def spawn_server(command: list[str], *, url: str, log_path: str | Path, env: dict[str, str] | None = None,
                  api_key: str | None = None, secrets_path: Path | None = None) -> ServerHandle:
-    """Start `command` in its own session with stdout+stderr appended to `log_path`; does not wait."""
+    """Start `command` in its own session with stdout+stderr appended to `log_path`; does not wait.
+
+    Below a launched job's Ray node the server starts with SIGTERM blocked, as the node itself: only the
+    driver acts on Slurm's SIGTERM, and stops the server (with SIGINT) once it no longer needs it."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    with open(log_path, "ab") as log, blocked_sigterm():
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
         )
-    return ServerHandle(url=url, process=process, log_path=log_path, api_key=api_key, secrets_path=secrets_path)
+    return ServerHandle(url=url, process=process, log_path=log_path, api_key=api_key, stop_signal=stop_signal(),
+                        secrets_path=secrets_path)
 
 
 def start_cpu_engine(

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from megarl.ports import free_port, node_address, port_is_free
+from megarl.net import node_address
+from megarl.ports import free_port, port_is_free
+from megarl.processes import shield_ray_actor
 from megarl.rollout.server import (
     LOG_TAIL_CHARS,
     ServerHandle,
@@ -44,7 +46,7 @@ class ServerSpec:
     model_path: str
     log_dir: str
     api_key: str | None = None
-    bind: str = "loopback"  # "loopback", "node" (the node's address: megarl.ports.node_address) or an address
+    bind: str = "loopback"  # "loopback", "node" (the node's address: megarl.net.node_address) or an address
     port: int | None = None  # server i first tries port + i; None: any free port
     weight_version: str = "default"
     tokenizer_path: str | None = None
@@ -97,6 +99,7 @@ class ServerHost:
     """Starts, restarts, polls and stops the process of server `index`; once closed it starts nothing."""
 
     def __init__(self, spec: ServerSpec, index: int, gpu_ids: list[int] | None = None):
+        shield_ray_actor()  # under a launcher, SIGTERM is the driver's: it may still need this server
         self.spec, self.index, self.gpu_ids = spec, index, gpu_ids
         self.address = bind_address(spec.bind)
         # Listening on every interface still needs one address that others can reach.

@@ -51,6 +51,8 @@ import torch
 import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 from torch.multiprocessing import reductions
 
+from megarl.net import gloo_interface_toward, host_port
+
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
 METADATA_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -318,8 +320,11 @@ def new_update_group(*, master_address: str, master_port: int, rank: int, world_
     """Join weight-update group `group_name` as `rank` (0 hosts the store); blocks until every rank joined."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
+    if backend == "gloo":
+        gloo_interface_toward(master_address)  # gloo's own pick is the hostname's address, maybe 127.0.1.1
     timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store, _, _ = next(rendezvous(f"tcp://{host_port(master_address, master_port)}", rank, world_size,
+                                  timeout=timeout))
     store.set_timeout(timeout)
     group = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                       group_name=group_name, timeout=timeout)

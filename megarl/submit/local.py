@@ -1,8 +1,9 @@
 """What launch/local.sh needs from a recipe, as shell exports: the run directory, device, slots and cluster.env.
 
 It loads the recipe exactly as `megarl train` will (so bad input stops the
-launcher with the same one-line errors and status 2) and checks the placement
-fits one machine.
+launcher with the same one-line errors and status 2), checks the placement
+fits one machine, and gives the stop budget from the recipe's
+`trainer.checkpoint.preempt_timeout_s`.
 
     eval "$(python -m megarl.submit.local RECIPE --set KEY=VALUE ...)"
 """
@@ -16,17 +17,20 @@ from pathlib import Path
 from megarl.config import load_recipe
 from megarl.errors import InputError
 from megarl.submit.fit import check_fit
-from megarl.submit.render import export_lines
+from megarl.submit.render import StopBudget, export_lines
 
 
 def job_exports(recipe_path: Path, overrides: list[str]) -> str:
     recipe = load_recipe(recipe_path, overrides)
     per_node = recipe.placement.gpus_per_node
     check_fit(recipe, nodes=1, gpus_per_node=per_node)
+    budget = StopBudget.for_timeout(recipe.trainer.checkpoint.preempt_timeout_s)
     run = {
         "MEGARL_RUN_DIR": str((Path.cwd() / recipe.trainer.output_dir / recipe.name).resolve()),
         "MEGARL_DEVICE": recipe.placement.device,
         "MEGARL_GPUS_PER_NODE": str(per_node),
+        "MEGARL_TERM_GRACE_S": str(budget.kill_driver_s),
+        "MEGARL_TEARDOWN_S": str(budget.teardown_s),
     }
     return "\n".join(export_lines({**run, **recipe.cluster.env})) + "\n"
 

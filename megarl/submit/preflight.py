@@ -3,9 +3,10 @@
 `facts` runs once per node (one srun task each) and prints one JSON line: the
 node's name, the devices it sees, which of the job's Ray ports are taken, and
 the versions of the packages that must agree across nodes. `check` reads all
-lines and prints one problem per node and difference. `head-ip` prints the
-address the head advertises. `reach` runs on every node once the head is up
-and checks the head's port answers from there.
+lines and prints one problem per node and difference. `node-ip` prints the
+address this node advertises (run on the head node for the head's address).
+`reach` runs on every node once the head is up and checks the head's port
+answers from there.
 
     python -m megarl.submit.preflight facts --device cuda --port-seed $SLURM_JOB_ID
     python -m megarl.submit.preflight check --nodes "a b" --device cuda --gpus-per-node 8 < facts.jsonl
@@ -24,8 +25,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from megarl.ports import NODE_IFACE_ENV, node_address
-from megarl.submit.ray_ports import block_for, busy_ports
+from megarl.net import IFACE_ENV, node_address, split_host_port
+from megarl.cluster.ray_ports import block_for, busy_ports
 
 # Mismatched builds of these across nodes fail late and obscurely (pickled tensors, NCCL, Ray protocol).
 VERSIONED_PACKAGES = ("torch", "megatron-core", "sglang", "ray", "megarl")
@@ -113,25 +114,16 @@ def check_facts(facts: list[dict], *, nodes: list[str], device: str, gpus_per_no
 
 def reach(address: str, *, timeout_s: float) -> str | None:
     """None once a TCP connection to `address` succeeds; the last error when `timeout_s` passes first."""
-    host, _, port = address.rpartition(":")
+    host, port = split_host_port(address)
     deadline, error = time.monotonic() + timeout_s, "no attempt"
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((host, int(port)), timeout=5):
+            with socket.create_connection((host, port), timeout=5):
                 return None
         except OSError as failure:
             error = str(failure)
             time.sleep(1)
     return error
-
-
-def head_ip() -> str:
-    """The address the Ray head advertises: the IPv4 address of $MEGARL_RAY_IFACE if set, else Ray's own pick.
-
-    Ray picks the interface of the default route, which on a cluster may be the
-    wrong network or, without a default route, loopback.
-    """
-    return node_address()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--nodes", required=True, help="the job's node names, head first, space separated")
     check.add_argument("--device", choices=["cuda", "cpu"], required=True)
     check.add_argument("--gpus-per-node", type=int, required=True)
-    verbs.add_parser("head-ip", help=f"print the address the Ray head should advertise (${NODE_IFACE_ENV})")
+    verbs.add_parser("node-ip", help=f"print the address this node's Ray advertises (${IFACE_ENV}, else Ray's pick)")
     head = verbs.add_parser("reach", help="wait until the Ray head's port answers from this node")
     head.add_argument("--address", required=True)
     head.add_argument("--timeout", type=float, default=120.0)
@@ -161,12 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         if not problems:
             print(f"preflight: {len(facts)} node(s) agree: {json.dumps(facts[0]['versions'])}")
         return 1 if problems else 0
-    if args.verb == "head-ip":
+    if args.verb == "node-ip":
         try:
-            print(head_ip())
+            print(node_address())
         except OSError as error:
-            print(f"preflight: node {node_name()}: {NODE_IFACE_ENV}={os.environ[NODE_IFACE_ENV]}: no IPv4 address "
-                  f"({error.strerror})", file=sys.stderr)
+            print(f"preflight: node {node_name()}: {IFACE_ENV}={os.environ.get(IFACE_ENV)}: {error}", file=sys.stderr)
             return 1
         return 0
     error = reach(args.address, timeout_s=args.timeout)

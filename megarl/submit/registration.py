@@ -3,29 +3,19 @@
 `ray status` exiting 0 only says the head answers; workers register seconds
 later, or never (a wrong address, a port taken, a crashed raylet). This waits
 until Ray lists `--nodes` alive nodes that each offer `--per-node` GPUs (CPU
-slots on a CPU recipe), fails at once when a bring-up step it watches exits,
-and on timeout names the nodes that are missing and where their logs are.
+slots on a CPU recipe), and on timeout names the nodes that are missing and
+where their logs are. (The launch script itself stops this wait at once when a
+Ray node's step exits.)
 
     python -m megarl.submit.registration --address 10.0.0.1:10000 --nodes 2 --device cuda \\
-        --per-node 8 --hosts "gpu01 gpu02" --log-dir runs/x/logs --watch-pid 4711 --timeout 300
+        --per-node 8 --hosts "gpu01 gpu02" --log-dir runs/x/logs --attempt 4711.0 --timeout 300
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _short(host: str) -> str:
@@ -50,29 +40,33 @@ def registered_nodes(*, resource: str, per_node: int) -> tuple[list[str], list[s
 
 
 def wait_for_nodes(*, address: str, nodes: int, resource: str, per_node: int, hosts: list[str], log_dir: str,
-                   watch_pids: list[int], timeout_s: float, poll_s: float = 2.0) -> str | None:
+                   attempt: str, timeout_s: float, poll_s: float = 2.0) -> str | None:
     """None once `nodes` nodes offer `per_node` of `resource`; else a message saying what is missing."""
     import ray
 
+    deadline = time.monotonic() + timeout_s
+    while True:  # the head's port may answer before its GCS serves: try again until the deadline
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            break
+        except (ConnectionError, RuntimeError) as error:
+            ray.shutdown()  # whatever the failed attempt set up
+            if time.monotonic() >= deadline:
+                return (f"cannot join the Ray head at {address} within {timeout_s:.0f} s: {error}; "
+                        f"see {log_dir}/ray-head-{hosts[0]}-{attempt}.log")
+            time.sleep(poll_s)
     try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    except (ConnectionError, RuntimeError) as error:
-        return f"cannot join the Ray head at {address}: {error}; see {log_dir}/ray-head-{hosts[0]}.log"
-    try:
-        deadline = time.monotonic() + timeout_s
         while True:
             ready, short = registered_nodes(resource=resource, per_node=per_node)
             if len(ready) >= nodes:
                 print(f"megarl-launch: {len(ready)} node(s) registered with {per_node} {resource} each: "
                       f"{' '.join(sorted(ready))}", flush=True)
                 return None
-            dead = [pid for pid in watch_pids if not _alive(pid)]
-            if dead or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 missing = [host for host in hosts if _short(host) not in {_short(r) for r in ready}]
-                logs = ", ".join(f"{log_dir}/ray-*-{host}.log" for host in missing)
-                why = (f"a Ray bring-up step exited (pid {', '.join(map(str, dead))})" if dead
-                       else f"not within {timeout_s:.0f} s")
-                return (f"{len(ready)} of {nodes} node(s) registered with {per_node} {resource} each, {why}; "
+                logs = ", ".join(f"{log_dir}/ray-*-{host}-{attempt}.log" for host in missing)
+                return (f"{len(ready)} of {nodes} node(s) registered with {per_node} {resource} each, "
+                        f"not within {timeout_s:.0f} s; "
                         f"missing: {' '.join(missing) or '?'}"
                         + (f"; registered with too few: {' '.join(short)}" if short else "")
                         + f"; see {logs or log_dir}")
@@ -89,12 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-node", type=int, required=True, help="GPUs (cuda) or CPU slots (cpu) every node offers")
     parser.add_argument("--hosts", required=True, help="the job's node names, space separated")
     parser.add_argument("--log-dir", required=True, help="where the nodes' Ray logs go (named in the error)")
-    parser.add_argument("--watch-pid", type=int, action="append", default=[], help="fail when this process exits")
+    parser.add_argument("--attempt", default="local", help="<job>.<restart>: names this start's log files")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     problem = wait_for_nodes(address=args.address, nodes=args.nodes, resource="GPU" if args.device == "cuda" else "CPU",
                              per_node=args.per_node, hosts=args.hosts.split(), log_dir=args.log_dir,
-                             watch_pids=args.watch_pid, timeout_s=args.timeout)
+                             attempt=args.attempt, timeout_s=args.timeout)
     if problem is not None:
         print(f"megarl-launch: {problem}", file=sys.stderr)
         return 1

@@ -43,7 +43,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from megarl.ports import free_port, node_address
+from megarl.net import is_loopback, node_address
+from megarl.ports import free_port
 from megarl.registry import WEIGHT_SYNC_TRANSPORTS
 from megarl.rollout.client import RolloutClient
 from megarl.rollout.weight_wire import wire_dtype
@@ -54,7 +55,6 @@ from megarl.weightsync.session import WeightSyncError, call_servers, server_tp_s
 from megarl.weightsync.update_group import POLL_S, destroy_update_group, init_update_group
 
 Tensor = torch.Tensor
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MAX_PENDING = 2  # bucket replies awaited at once: bounds the buckets a server holds received but not applied
 
 
@@ -176,8 +176,9 @@ class DistributedTransport:
 
 
 def _master_address(urls: list[str]) -> str:
-    """Loopback when every server is local, else this node's address (what the servers can reach)."""
-    if all(urlparse(url).hostname in _LOOPBACK for url in urls):
+    """Loopback when every server is local, else this node's routable address (`megarl.net.node_address`:
+    never what the hostname resolves to, 127.0.1.1 under Debian's default /etc/hosts)."""
+    if all(is_loopback(urlparse(url).hostname or "") for url in urls):
         return "127.0.0.1"
     return node_address()
 

@@ -70,7 +70,8 @@ class EngineWeightSync:
         servers = tuple(urls)
         disk_dir = settings.disk_dir
         devices = tuple(tuple(server) for server in server_devices) if server_devices is not None else None
-        key = (servers, api_key, transport, plan_key, verify, timeout_s, str(disk_dir), devices)
+        key = (servers, api_key, transport, plan_key, verify, timeout_s, str(disk_dir), devices,
+               settings.pause_mode)
         self._drop_restarted(servers, keep=key)
         reused = key in self._syncers
         syncer = self._syncer(key, coords=coords, disk_dir=disk_dir)
@@ -88,13 +89,13 @@ class EngineWeightSync:
 
     def _syncer(self, key: tuple, *, coords: RankCoords, disk_dir) -> WeightSyncer:
         if key not in self._syncers:
-            servers, api_key, transport, plan_key, verify, timeout_s, _, devices = key
+            servers, api_key, transport, plan_key, verify, timeout_s, _, devices, pause_mode = key
             needs_client = coords.rank == 0 or coords.is_sender
             client = RolloutClient(list(servers), api_key=api_key, timeout_s=timeout_s) if needs_client else None
             sender_transport = make_transport(transport, client, timeout_s=timeout_s, disk_dir=disk_dir,
                                               server_devices=[list(d) for d in devices] if devices else None)
             syncer = WeightSyncer(self._plans[plan_key], sender_transport, self._groups, client=client,
-                                  verify=verify == "checksum")
+                                  verify=verify == "checksum", pause_mode=pause_mode)
             self._syncers[key] = (syncer, client)
         return self._syncers[key][0]
 

@@ -5,7 +5,7 @@ same node clashes with the first. A job instead takes a block of BLOCK_SIZE
 ports chosen by a seed (the Slurm job id, or the launcher's PID), names every
 port Ray opens from it, and preflight checks the block is free on every node.
 
-    eval "$(python -m megarl.submit.ray_ports --seed $SLURM_JOB_ID)"   # MEGARL_RAY_*_PORT
+    eval "$(python -m megarl.cluster.ray_ports --seed $SLURM_JOB_ID)"   # MEGARL_RAY_*_PORT
 """
 
 from __future__ import annotations
@@ -18,9 +18,15 @@ from dataclasses import dataclass
 from megarl.ports import port_is_free
 
 FIRST_PORT = 10000
-BLOCK_SIZE = 200
+# Every Ray worker process (a task worker, an actor, a driver) binds one port of the worker range, and
+# Ray keeps up to one idle task worker per CPU: a 128-CPU node needs about 128 + its actors (~40 for 8
+# GPUs with colocated roles and servers). NeMo-RL's ray.sub gives 128-CPU nodes 513 worker ports; 512
+# here leave three times the need, rather than capping Ray's workers (which stalls task-heavy rewards).
+WORKER_PORTS = 512
+WORKER_OFFSET = 18
+BLOCK_SIZE = WORKER_OFFSET + WORKER_PORTS
 # Blocks end below 32768, where Linux draws the ephemeral ports of outgoing connections.
-NUM_BLOCKS = 110
+NUM_BLOCKS = (32768 - FIRST_PORT) // BLOCK_SIZE
 NAMED_PORTS = (
     "gcs",
     "node_manager",
@@ -31,7 +37,6 @@ NAMED_PORTS = (
     "metrics_export",
     "runtime_env_agent",
 )
-WORKER_OFFSET = 10
 BASE_OVERRIDE_ENV = "MEGARL_RAY_PORT_BASE"
 
 
@@ -89,7 +94,7 @@ def free_block(seed: int, host: str = "") -> RayPorts:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megarl.submit.ray_ports", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m megarl.cluster.ray_ports", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, required=True, help="the Slurm job id, or the launcher's PID")
     parser.add_argument("--free", action="store_true", help="from the seed's block on, the first one free here")
     args = parser.parse_args(argv)
