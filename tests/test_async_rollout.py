@@ -50,6 +50,9 @@ class FakeFleet:
         self.pool = concurrent.futures.ThreadPoolExecutor(8)
         self.seeds: list[int] = []
 
+    def serve_stalled(self) -> None:
+        pass
+
     def start_generation(self, gen_batch, sampling, *, seed, on_rows):
         self.seeds.append(seed)
         rows = len(gen_batch)

@@ -209,7 +209,8 @@ def _async_rollout(recipe: Recipe, settings: StepSettings, *, roles: Roles, data
     ahead = AsyncRollout(roles.rollout, data.train_batches, sampling=settings.sampling, rollout_n=settings.rollout_n,
                          batch_size=recipe.data.train_batch_size, max_staleness=settings.async_rollout.max_staleness,
                          total_steps=recipe.trainer.total_steps,
-                         in_flight_updates=settings.async_rollout.in_flight_updates)
+                         in_flight_updates=settings.async_rollout.in_flight_updates,
+                         partial_rollouts=settings.async_rollout.partial_rollouts)
     state = resume_from.controller_state().get("async") if resume_from is not None else None
     ahead.restore(state if state is not None else {"next_batch": start_step, "trained": {}})
     cleanup.callback(ahead.close)
