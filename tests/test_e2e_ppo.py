@@ -86,11 +86,8 @@ def test_ppo_with_both_kl_options_logs_the_contract(ray_session, tmp_path):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_ppo_improves_the_training_score(warmed_quickstart, tmp_path):
-    # From where the recipe's own warm-up (400 fixed steps) leaves the policy (and the critic's backbone), the
-    # critic warm-up, then PPO steps, without validation. Measured (seed 0, a loaded 2-core machine): training
-    # score 0.771 0.678 0.652 0.695 0.680 0.711 0.805 0.814 0.824 0.836 0.861 0.807 0.820 0.875, first 4 steps
-    # 0.699, last 4 0.841, gain 0.142: the gain threshold 0.05 leaves 0.09 (over twice the spread of a 4-step
-    # mean difference, sd ~0.04), the start's bound 0.8 leaves 0.1.
+    # From where the recipe's own warm-up (stopped by loss) leaves the policy (and the critic's backbone), the
+    # critic warm-up, then PPO steps, without validation.
     records = _run(tmp_path, "learn", "trainer.total_steps=14", "trainer.val_every=0",
                    f"model.path={warmed_quickstart}", "sft_warmup.steps=0")
     scores = [record["critic/score/mean"] for record in records if "critic/score/mean" in record]

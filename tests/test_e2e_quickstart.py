@@ -150,18 +150,13 @@ def test_short_run_logs_the_contract_and_reproduces(ray_session, tmp_path, monke
 @pytest.mark.dist
 @pytest.mark.slow
 def test_grpo_improves_the_training_score(warmed_quickstart, tmp_path):
-    # From where the recipe's own warm-up (400 fixed steps) leaves the policy, 12 GRPO steps without validation,
-    # with dynamic micro-batches (packed sequences) in log-probs and updates. Measured (seed 0, a loaded 2-core
-    # machine, warm-up greedy validation 0.84): training score 0.801 0.602 0.770 0.771 0.789 0.756 0.779 0.812
-    # 0.793 0.812 0.834 0.801, first 4 steps 0.736, last 4 0.810, gain 0.074. Around its trend (+0.009 per step)
-    # a step's score scatters by sd 0.05 (0.03 without step 2's dip), so the difference of two 4-step means has sd
-    # 0.02-0.04: the gain threshold 0.02 is the measured gain less about two of those; the start's bound 0.8 is
-    # 0.06 above the measured start.
+    # From where the recipe's own warm-up (stopped by loss) leaves the policy, 12 GRPO steps without validation,
+    # with dynamic micro-batches (packed sequences) in log-probs and updates.
     records = _run(tmp_path, "learn", "trainer.total_steps=12", "trainer.val_every=0",
                    "actor.max_tokens_per_microbatch=1024", f"model.path={warmed_quickstart}", "sft_warmup.steps=0")
     scores = [record["critic/score/mean"] for record in records if "critic/score/mean" in record]
     assert len(scores) == 12
     first, last = sum(scores[:4]) / 4, sum(scores[-4:]) / 4
     assert 0.0 < first < 0.8, f"the warm-up should leave the model imperfect, got {first:.3f}"
-    assert last - first >= 0.02, f"score went from {first:.3f} to {last:.3f}"
+    assert last - first >= 0.05, f"score went from {first:.3f} to {last:.3f}"
     assert max(record["rollout/logprob_diff"] for record in records if "timing_s/step" in record) < 1e-4
