@@ -4,7 +4,8 @@ Every verb imports its implementation lazily so `megarl schema` does not pay
 for torch or ray. Bad input (`megarl.errors.InputError`) prints one line per
 problem on stderr and exits with status 2, never a traceback. `megarl train`
 stopped by SIGTERM/SIGINT after writing its checkpoint exits with status 75
-(`megarl.controller.preemption.EXIT_PREEMPTED`), as does a stopped `megarl bench`.
+(`megarl.controller.preemption.EXIT_PREEMPTED`), as does a stopped `megarl bench`;
+stopped at once by a second signal, with 128 + that signal, always.
 """
 
 from __future__ import annotations
@@ -288,14 +289,22 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_parties()
     try:
         return args.run(args)
-    except InputError as error:
-        problems = error.problems
-    except OSError as error:
-        # A full or read-only disk is the machine's state, not a bug: say which file, no traceback.
-        problem = storage_problem(error)
-        if problem is None:
+    except BaseException as error:
+        from megarl.controller.preemption import stop_status
+
+        # A second signal stops with 128 + the signal, also when tearing down raised something else on the way.
+        status = stop_status(error)
+        if status is not None:
+            if not isinstance(error, SystemExit):
+                print(f"megarl: stopped at once ({type(error).__name__} while stopping: {error})", file=sys.stderr)
+            return status
+        if isinstance(error, InputError):
+            problems = error.problems
+        elif isinstance(error, OSError) and storage_problem(error) is not None:
+            # A full or read-only disk is the machine's state, not a bug: say which file, no traceback.
+            problems = [storage_problem(error)]
+        else:
             raise
-        problems = [problem]
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return EXIT_BAD_INPUT

@@ -111,9 +111,9 @@ def _head_failed(process: subprocess.Popen, log: Path, why: str) -> RuntimeError
     return RuntimeError(f"this run's Ray head (pid {process.pid}) {why}; its output:\n{tail}")
 
 
-def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> None:
+def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
     """Start a Ray head on loopback in a session of its own and join it; `cleanup` stops it and every process
-    it started, then removes its temp dir."""
+    it started, then removes its temp dir, which is returned."""
     _own_head_env()
     temp_dir = new_temp_dir()
     cleanup.callback(shutil.rmtree, temp_dir, True)
@@ -141,6 +141,7 @@ def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> None:
     cleanup.callback(_reap, process)
     cleanup.callback(sweep, mark, process.pid)
     _join_when_ready(named["gcs"], process, log)
+    return temp_dir
 
 
 def _join_when_ready(port: int, process: subprocess.Popen, log: Path) -> None:
@@ -169,15 +170,17 @@ def _reap(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> None:
+def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> str | None:
     """Join the cluster at `address`, or (none given, none running) start this run's own head, which `cleanup`
-    stops with everything it started."""
+    stops with everything it started; returns the head's temp dir (None when joining)."""
     if address:
         connect_ray(address)
-        return
+        return None
     _own_head_env()
     import ray
 
     if not ray.is_initialized():
-        start_own_head(cleanup, num_cpus=num_cpus)
+        temp_dir = start_own_head(cleanup, num_cpus=num_cpus)
         cleanup.callback(ray.shutdown)
+        return temp_dir
+    return None

@@ -22,6 +22,7 @@ from pathlib import Path
 from megarl import atomic
 from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.fleet import start_fleet
+from megarl.cluster.leftovers import Footprint, clear_dead_previous
 from megarl.cluster.memory import MemoryCycle
 from megarl.cluster.placement import plan_pools, total_devices
 from megarl.cluster.ray_cluster import ray_for_run
@@ -46,7 +47,8 @@ from megarl.config.settings import (
 from megarl.controller import run_state
 from megarl.controller.banner import start_banner
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
-from megarl.controller.checkpointing import StepCheckpoint, load_step
+from megarl.controller.checkpointing import StepCheckpoint, complete_steps, load_step
+from megarl.controller.disk_full import disk_full_error
 from megarl.controller.loop import StepLoop
 from megarl.controller.multi_turn import EpisodeRewards, start_agent
 from megarl.controller.preemption import Preempted, Preemption
@@ -227,6 +229,41 @@ def _tracker(recipe: Recipe, run_dir: Path, resume_from: StepCheckpoint | None) 
                    resume_step=resume_from.step if resume_from is not None else None)
 
 
+def _drive(recipe: Recipe, *, run_dir: Path, data, weights: Path, resume_from: StepCheckpoint | None,
+           start_step: int, ray_address: str | None, on_phase, decisions: list[str]) -> None:
+    """Ray, the roles and the step loop from `start_step` on; everything started here is stopped here.
+    `decisions` (what the start decided, shown already) go to controller.log."""
+    checkpoint = recipe.trainer.checkpoint
+    with controller_log(run_dir), ExitStack() as cleanup:
+        for line in decisions:
+            logger.info(line)
+        # First in, last out: once everything is stopped, the shared memory of its processes goes too.
+        footprint = Footprint(run_dir)
+        cleanup.callback(footprint.release)
+        tracker = _tracker(recipe, run_dir, resume_from)
+        cleanup.callback(tracker.close)
+        for line in start_banner(recipe, run_dir, resume_from):
+            tracker.message(line)
+        footprint.set_temp_dir(ray_for_run(cleanup, ray_address))
+        footprint.watch()
+        # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
+        preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
+        pools = plan_pools(recipe)
+        eos = data.tokenizer.eos_token_id
+        sampling = rollout_sampling(recipe, eos_token_id=eos)
+        roles = _start_roles(recipe, pools=pools, weights=weights, data=data, sampling=sampling, run_dir=run_dir,
+                             tracker=tracker, cleanup=cleanup, resume_from=resume_from, preemption=preemption)
+        preemption.on_request(roles.rollout.stop_generating)
+        settings = step_settings(recipe, sampling=sampling, num_devices=total_devices(pools))
+        trainer = Trainer(roles, settings, stop_requested=lambda: preemption.requested, on_phase=on_phase)
+        ahead = _async_rollout(recipe, settings, roles=roles, data=data, resume_from=resume_from,
+                               start_step=start_step, cleanup=cleanup)
+        loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
+                        preemption=preemption, newest=resume_from,
+                        val_sampling=validation_sampling(recipe, eos_token_id=eos), ahead=ahead)
+        loop.run(start_step)
+
+
 def train(recipe: Recipe, *, ray_address: str | None = None,
           on_phase: Callable[[int, str], None] | None = None) -> Path:
     """Run `recipe` to its last step, resuming its run directory's newest checkpoint when it has one
@@ -247,6 +284,8 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
         decisions.append(line)
         print(f"megarl: {line}", flush=True)
 
+    for leftover in clear_dead_previous(run_dir):
+        decide(f"removed {leftover}, left by a previous run of {run_dir} that died")
     resume_from = resume_or_start(run_dir, recipe, say=decide)
     start_step = resume_from.step if resume_from is not None else 0
     if start_step >= recipe.trainer.total_steps:
@@ -257,31 +296,18 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
     weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
     # Written once every check passed, so a refused run leaves an earlier run's recipe alone.
     atomic.write_text(run_dir / "recipe.yaml", dump_recipe(recipe))
-    checkpoint = recipe.trainer.checkpoint
-
-    with controller_log(run_dir), ExitStack() as cleanup:
-        for line in decisions:
-            logger.info(line)
-        tracker = _tracker(recipe, run_dir, resume_from)
-        cleanup.callback(tracker.close)
-        for line in start_banner(recipe, run_dir, resume_from):
-            tracker.message(line)
-        ray_for_run(cleanup, ray_address)
-        # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
-        preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
-        pools = plan_pools(recipe)
-        eos = data.tokenizer.eos_token_id
-        sampling = rollout_sampling(recipe, eos_token_id=eos)
-        roles = _start_roles(recipe, pools=pools, weights=weights, data=data, sampling=sampling, run_dir=run_dir,
-                             tracker=tracker, cleanup=cleanup, resume_from=resume_from, preemption=preemption)
-        preemption.on_request(roles.rollout.stop_generating)
-        settings = step_settings(recipe, sampling=sampling, num_devices=total_devices(pools))
-        trainer = Trainer(roles, settings, stop_requested=lambda: preemption.requested, on_phase=on_phase)
-        ahead = _async_rollout(recipe, settings, roles=roles, data=data, resume_from=resume_from,
-                               start_step=start_step, cleanup=cleanup)
-        loop = StepLoop(recipe, run_dir=run_dir, trainer=trainer, roles=roles, data=data, tracker=tracker,
-                        preemption=preemption, newest=resume_from,
-                        val_sampling=validation_sampling(recipe, eos_token_id=eos), ahead=ahead)
-        loop.run(start_step)
+    try:
+        _drive(recipe, run_dir=run_dir, data=data, weights=weights, resume_from=resume_from, start_step=start_step,
+               ray_address=ray_address, on_phase=on_phase, decisions=decisions)
+    except (Preempted, InputError):
+        raise
+    except Exception as error:
+        # The disk filled under the run (a log, metrics, a sync file): said as such, not as what failed on it.
+        newest = complete_steps(run_dir)
+        full = disk_full_error(error, run_dir,
+                               note=f"{newest[-1].path} is intact" if newest else "no checkpoint was written")
+        if full is not None and full is not error:
+            raise full from error
+        raise
     return run_dir
 
