@@ -4,17 +4,23 @@ Every verb imports its implementation lazily so `megarl schema` does not pay
 for torch or ray. Bad input (`megarl.errors.InputError`) prints one line per
 problem on stderr and exits with status 2, never a traceback. `megarl train`
 stopped by SIGTERM/SIGINT after writing its checkpoint exits with status 75
-(`megarl.controller.preemption.EXIT_PREEMPTED`), as does a stopped `megarl bench`.
+(`megarl.controller.preemption.EXIT_PREEMPTED`), as does a stopped `megarl bench`;
+stopped at once by a second signal, with 128 + that signal, always.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from megarl.errors import InputError, storage_problem
+from megarl.quiet import VERBOSE_ENV, quiet_third_parties
+
+# A run's complete step directory holds this file (`controller.checkpointing.MARKER`; not imported: it needs Ray).
+STEP_MARKER = "COMPLETE.json"
 
 EXIT_BAD_INPUT = 2
 
@@ -122,7 +128,19 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _role_checkpoint(path: Path, role: str) -> Path:
+    """The checkpoint to export: `path` itself, or its `role/` when `path` is a run's step directory
+    (`checkpoints/step_<N>`, one checkpoint per role inside)."""
+    if not (path / STEP_MARKER).is_file():
+        return path
+    if not (path / role).is_dir():
+        roles = sorted(child.name for child in path.iterdir() if child.is_dir())
+        raise InputError(f"--role: {path} holds no checkpoint of role {role!r}; it holds {', '.join(roles) or 'none'}")
+    return path / role
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
+    args.checkpoint = _role_checkpoint(args.checkpoint.expanduser(), args.role)
     if args.lora is not None:
         from megarl.engines.lora_export import export_peft
 
@@ -139,6 +157,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    if args.markdown:
+        from megarl.config.reference import recipe_reference
+
+        sys.stdout.write(recipe_reference())
+        return 0
     from megarl.config import recipe_json_schema
 
     print(json.dumps(recipe_json_schema(), indent=2))
@@ -162,6 +185,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megarl", description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="also show the third-party warnings and progress "
+                        "bars megarl hides by default (megarl.quiet)")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     validate = verbs.add_parser("validate", help="resolve and check a recipe and the files it names, print it")
@@ -223,7 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = verbs.add_parser("export", help="write an HF checkpoint (safetensors + config + tokenizer) from a megarl "
                               "checkpoint, or a LoRA checkpoint's PEFT adapter")
-    export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout)")
+    export.add_argument("checkpoint", type=Path, help="a checkpoint dir saved by megarl (any TP/PP/EP layout), or "
+                        "a run's step dir (checkpoints/step_<N>): then its --role")
+    export.add_argument("--role", default="actor", help="the role to export from a step dir (default: actor; a "
+                        "reward model's own checkpoint is its reward_model.path)")
     output = export.add_mutually_exclusive_group(required=True)
     output.add_argument("--hf", type=Path, help="output directory for the HF checkpoint")
     output.add_argument("--lora", type=Path, help="a LoRA checkpoint's adapters as a PEFT adapter dir "
@@ -233,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(run=_cmd_export)
 
     schema = verbs.add_parser("schema", help="print the recipe JSON Schema")
+    schema.add_argument("--markdown", action="store_true",
+                        help="print it as the Markdown recipe reference instead (docs/recipe.md)")
     schema.set_defaults(run=_cmd_schema)
 
     preprocess = verbs.add_parser("preprocess", help="turn local GSM8K/MATH files into train/test parquet")
@@ -254,16 +284,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_third_parties()
     try:
         return args.run(args)
-    except InputError as error:
-        problems = error.problems
-    except OSError as error:
-        # A full or read-only disk is the machine's state, not a bug: say which file, no traceback.
-        problem = storage_problem(error)
-        if problem is None:
+    except BaseException as error:
+        from megarl.controller.preemption import stop_status
+
+        # A second signal stops with 128 + the signal, also when tearing down raised something else on the way.
+        status = stop_status(error)
+        if status is not None:
+            if not isinstance(error, SystemExit):
+                print(f"megarl: stopped at once ({type(error).__name__} while stopping: {error})", file=sys.stderr)
+            return status
+        if isinstance(error, InputError):
+            problems = error.problems
+        elif isinstance(error, OSError) and storage_problem(error) is not None:
+            # A full or read-only disk is the machine's state, not a bug: say which file, no traceback.
+            problems = [storage_problem(error)]
+        else:
             raise
-        problems = [problem]
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     return EXIT_BAD_INPUT

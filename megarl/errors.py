@@ -26,14 +26,15 @@ class InputError(Exception):
 
 
 def free_space(path: str | os.PathLike) -> str:
-    """"N MiB free" on the disk of `path` (or of its nearest existing parent)."""
+    """"N MiB free" (or KiB, below 1 MiB) on the disk of `path` (or of its nearest existing parent)."""
     where = os.path.abspath(path)
     while not os.path.exists(where) and os.path.dirname(where) != where:
         where = os.path.dirname(where)
     try:
-        return f"{shutil.disk_usage(where).free >> 20} MiB free"
+        free = shutil.disk_usage(where).free
     except OSError:
         return "free space unknown"
+    return f"{free >> 20} MiB free" if free >= 1 << 20 else f"{free >> 10} KiB free"
 
 
 def storage_problem(error: OSError) -> str | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-# Multi-process tests on 2 cores swing wildly without this (PLATFORM.md).
+# Multi-process tests on 2 cores swing wildly without this (step times 60x apart).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -79,6 +79,24 @@ def warmed_quickstart(ray_session, tmp_path_factory) -> Path:
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml",
                          [f"trainer.output_dir={root}", "trainer.logging.console=false"])
     return warm_up(recipe, root / "hf")
+
+
+@pytest.fixture(scope="session")
+def grpo_reference(ray_session, tmp_path_factory):
+    """The shortened GRPO quickstart (tests/_e2e.py), run once per session: the contract test checks it,
+    the resume test resumes its copy; its command lines are watched for its API key."""
+    import _e2e
+
+    return _e2e.reference_run("quickstart-grpo-cpu.yaml", _e2e.GRPO, tmp_path_factory.mktemp("grpo_reference"),
+                              watch=True)
+
+
+@pytest.fixture(scope="session")
+def ppo_reference(ray_session, tmp_path_factory):
+    """The shortened PPO quickstart with both KL options (tests/_e2e.py), run once per session."""
+    import _e2e
+
+    return _e2e.reference_run("quickstart-ppo-cpu.yaml", _e2e.PPO, tmp_path_factory.mktemp("ppo_reference"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -53,6 +53,7 @@ def test_render_then_parse_gives_the_call_back():
 @pytest.mark.parametrize("expression, value", [
     ("12345+67890", "80235"), ("123456*654321", str(123456 * 654321)), ("2**100", str(2**100)),
     ("-(3 - 10) // 2", "3"), ("7/2", "3.5"), ("1/3", "0.333333333333"), ("10 % 4", "2"), ("6/3", "2"),
+    ("67361+02322", "69683"), ("00000+00", "0"), ("1.05+0.5", "1.55"), ("1e05", "100000"),  # padded operands
 ])
 def test_calculator_is_exact_arithmetic(expression, value):
     assert format_value(evaluate(expression)) == value

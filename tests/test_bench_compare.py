@@ -25,6 +25,10 @@ def _cell(path: Path, table: str, row: str, column: str) -> float:
     return next(r[index] for r in raw["rows"] if r[0] == row)
 
 
+def _rows(path: Path, table: str) -> list[str]:
+    return [row[0] for row in next(t for t in json.loads(path.read_text())["tables"] if t["name"] == table)["rows"]]
+
+
 def _line(markdown: str, figure: str) -> list[str]:
     """The cells of the comparison line of `figure` ('<row>: <column title>')."""
     line = next(line for line in markdown.splitlines() if line.startswith(f"| {figure} "))
@@ -78,3 +82,31 @@ def test_bad_invocations_exit_2_naming_the_problem(tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(not_a_report) in err and "not a megarl benchmark report" in err and "Traceback" not in err
     assert not (tmp_path / "compare.md").exists()
+
+
+def test_the_comparison_opens_with_a_summary_and_leaves_out_figures_zero_in_both(tmp_path):
+    # A figure that shows as zero in both reports (a phase that took no time) is rounding noise: left out.
+    copies = []
+    for source in (A, B):
+        data = json.loads(source.read_text())
+        phases = next(t for t in data["tables"] if t["name"] == "phases")
+        median = next(i for i, c in enumerate(phases["columns"]) if c["name"] == "median")
+        next(r for r in phases["rows"] if r[0] == "adv")[median] = 0.0001 if source is A else 0.0
+        copies.append(tmp_path / source.name)
+        copies[-1].write_text(json.dumps(data))
+    markdown, tables = compare_reports(copies)
+    assert [table.name for table in tables[:3]] == ["reports", "summary", "settings that differ"]
+    summary = markdown.split("## summary", 1)[1].split("\n## ", 1)[0]
+    figures = [line.split("|")[1].strip() for line in summary.splitlines() if line.startswith("| ")][1:]
+    assert figures[:4] == ["step: median (s)", "generated (response tokens): over the step (tokens/s/device)",
+                           "trained (prompt + response tokens): over the step (tokens/s/device)",
+                           "training phases: MFU (%)"]
+    # Then the three phases whose median moved most, largest first, read from the reports themselves.
+    moved = sorted(((abs(_cell(B, "phases", phase, "median") - _cell(A, "phases", phase, "median")), phase)
+                    for phase in _rows(A, "phases") if phase != "step"),
+                   reverse=True)
+    assert figures[4:] == [f"{phase}: median (s)" for _, phase in moved[:3]]
+    assert _line(markdown, "step: median (s)")[1:] == [format(_cell(A, "phases", "step", "median"), ".3f"),
+                                                       format(_cell(B, "phases", "step", "median"), ".3f"),
+                                                       f"{_cell(B, 'phases', 'step', 'median') / _cell(A, 'phases', 'step', 'median'):.3f}"]
+    assert "| adv: median (s) " not in markdown and "| gen: median (s) " in markdown

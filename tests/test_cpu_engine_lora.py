@@ -12,15 +12,13 @@ an unknown name, a checksum that does not match, and the start-up checks of the 
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from _http import call
 from _tiny import greedy_continuation
-from megarl.rollout.server import start_cpu_engine
+from megarl.rollout.cpu_engine.__main__ import parse_args
 from megarl.rollout.weight_wire import entries_for_tp_ranks, tensor_checksum
 
 pytestmark = pytest.mark.dist
@@ -44,7 +42,7 @@ def _adapted(model, *, rank: int, targets: list[str], seed: int):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, cpu_engine):
     root = tmp_path_factory.mktemp("cpu-engine-lora")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -56,12 +54,9 @@ def setup(tmp_path_factory):
     adapted.save_pretrained(root / "adapter")
     too_wide = _adapted(model, rank=16, targets=["q_proj"], seed=2)
     too_wide.save_pretrained(root / "rank16")
-    server = start_cpu_engine(root / "base", enable_lora=True, max_lora_rank=8, lora_target_modules=["all"],
-                              log_path=root / "server.log")
-    try:
-        yield {"root": root, "model": model, "adapted": adapted, "url": server.url}
-    finally:
-        server.stop()
+    server = cpu_engine(root / "base", enable_lora=True, max_lora_rank=8, lora_target_modules=["all"],
+                        log_path=root / "server.log")
+    return {"root": root, "model": model, "adapted": adapted, "url": server.url}
 
 
 def _generate(url: str, prompts: list[list[int]], lora_path, *, logprobs: bool = False):
@@ -143,8 +138,41 @@ def test_sglangs_refusals(setup):
 
 
 @pytest.mark.robust
-def test_lora_flags_are_checked_at_start_up(setup):
-    result = subprocess.run([sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path",
-                             str(setup["root"] / "base"), "--enable-lora"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "When no initial --lora-paths is provided, you need to specify both " \
-        "--max-lora-rank and --lora-target-modules for LoRA initialization." in result.stderr
+def test_lora_flags_are_checked_at_start_up(setup, capsys):
+    # The server's own argument parsing (`python -m megarl.rollout.cpu_engine` runs it first), in this process:
+    # a fresh interpreter would spend its seconds importing torch before the same check.
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--model-path", str(setup["root"] / "base"), "--enable-lora"])
+    assert exited.value.code == 2 and "When no initial --lora-paths is provided, you need to specify both " \
+        "--max-lora-rank and --lora-target-modules for LoRA initialization." in capsys.readouterr().err
+
+
+def test_adapter_sync_to_a_server_restarted_at_its_url(setup, monkeypatch, tmp_path):
+    """The fleet restarts a dead server on its port and syncs it with the others' next version: the adapter-only
+    sync loads that version there too, and the previous one, which the restarted server never held, is simply
+    not there to unload (SGLang refuses the unload of an unknown name)."""
+    from megarl.config.settings import LoraSettings, WeightSyncSettings
+    from megarl.engines.protocol import AdapterShards
+    from megarl.models import arch_from_hf
+    from megarl.models.lora import TARGETS, initial_adapters
+    from megarl.rollout.weight_wire import lora_adapter_name
+    from megarl.weightsync.groups import RankCoords
+    from megarl.weightsync.lora_sync import AdapterSync
+
+    arch = arch_from_hf(setup["model"].config.to_dict())
+    lora = LoraSettings(rank=4, alpha=8.0, dropout=0.0, targets=tuple(TARGETS), init="kaiming", seed=0)
+    adapters = AdapterShards({(0, name): t for name, t in initial_adapters(arch, rank=4, targets=TARGETS,
+                                                                           init="kaiming", seed=0).items()},
+                             tp_rank=0, arch=arch, settings=lora)
+    settings = WeightSyncSettings(transport="tensor", bucket_bytes=1 << 20, verify="none", timeout_s=60,
+                                  disk_dir=str(tmp_path), lora="adapter")
+    # One trainer rank: the gather over the engine's group is this rank's own shards.
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, obj: out.__setitem__(0, obj))
+    url, sync = setup["url"], AdapterSync()
+    sync.push(adapters, coords=RankCoords(), urls=[url], api_key=None, version=1, settings=settings)
+    assert call(url, "/unload_lora_adapter", {"lora_name": lora_adapter_name(1)})[0] == 200  # "restarted"
+    metrics = sync.push(adapters, coords=RankCoords(), urls=[url], api_key=None, version=2, settings=settings)
+    assert metrics["weight_sync/tensors"] == 2 * 7 * arch.num_layers
+    assert _generate(url, PROMPTS[:1], lora_adapter_name(2))[0] == 200
+    status, reply = call(url, "/unload_lora_adapter", {"lora_name": lora_adapter_name(2)})
+    assert status == 200 and lora_adapter_name(2) not in reply["loaded_adapters"]

@@ -104,14 +104,13 @@ def chat_ids(tokenizer, text):
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def test_dataset_tokenizes_filters_and_keeps_fields(tmp_path, tokenizer, caplog):
+def test_dataset_tokenizes_filters_and_keeps_fields(tmp_path, tokenizer):
     contents = ["short", "a much longer prompt " * 6, "What is 1 + 2?"]
     first = write_prompts(tmp_path / "a.parquet", contents[:2])
     second = write_prompts(tmp_path / "b.parquet", contents[2:], data_source="openai/gsm8k")
     limit = len(chat_ids(tokenizer, "What is 1 + 2?"))
     dataset = RLDataset.from_files([first, str(second)], tokenizer, max_prompt_length=limit)
-    assert len(dataset) == 2 and dataset.num_dropped == 1
-    assert "dropped 1 of 3 prompts longer than max_prompt_length" in caplog.text
+    assert len(dataset) == 2 and dataset.num_dropped == 1 and dataset.num_rows == 3
     assert dataset[0]["input_ids"] == chat_ids(tokenizer, "short")
     assert dataset[1]["input_ids"] == chat_ids(tokenizer, "What is 1 + 2?")
     assert dataset.data_sources == ["megarl/arithmetic", "openai/gsm8k"]

@@ -51,7 +51,7 @@ def test_a_short_multi_turn_run(ray_session, tmp_path):
         assert [turn["who"] for turn in turns[:2]] == ["assistant", "user"]
         assert all(turn["tokens"] > 0 and isinstance(turn["text"], str) for turn in turns)
     log = (run_dir / "logs" / "controller.log").read_text()
-    assert "tool sandbox: 2 workers" in log and "sft warm-up step 2" in log
+    assert "tool sandbox: 2 workers" in log and "sft warm-up done at step 2" in log
     leftovers = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
                  if "megarl.agent.sandbox_worker" in " ".join(p.info["cmdline"] or [])
                  and str(run_dir) in " ".join(p.info["cmdline"] or [])]

@@ -98,14 +98,18 @@ class Driver:
                if (match := TORCH_SHM.match(name)) and int(match.group(1)) in self.pids]
         return alive, shm
 
-    def kill_leftovers(self) -> None:
+    def kill_leftovers(self, *, remove_shm: bool = True) -> list[str]:
+        """SIGKILL what is left of the run; its shared memory, which nothing can unlink then, is removed too
+        unless `remove_shm` is false (the next start of the run directory must remove it): returns those names."""
         for pid in self.pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        # A process killed by SIGKILL cannot unlink its shared memory: remove what the run's processes made.
-        for name in set(os.listdir("/dev/shm")) - self.shm_before:
-            if (match := TORCH_SHM.match(name)) and int(match.group(1)) in self.pids:
+        segments = [name for name in set(os.listdir("/dev/shm")) - self.shm_before
+                    if (match := TORCH_SHM.match(name)) and int(match.group(1)) in self.pids]
+        if remove_shm:
+            for name in segments:
                 os.unlink(f"/dev/shm/{name}")
+        return segments
 
 
 def _alive(pid: int) -> bool:
@@ -181,11 +185,16 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(ray_session, tmp_
         driver.process.kill()
         driver.wait()
     finally:
-        driver.leftovers(grace_s=10)  # what SIGKILL leaves (Ray's agents, a bucket file) is cleaned up here
-        driver.kill_leftovers()
+        driver.leftovers(grace_s=10)  # what SIGKILL leaves: Ray's agents are stopped here, their files are not
+        life3_segments = driver.kill_leftovers(remove_shm=False)
     assert partial.is_dir() and not (partial / MARKER).exists() and _complete_steps(run_dir) == [1, 3]
 
-    # 4. Resumed from step 3: the torn save is gone, step 4 is redone and logged once.
+    # 4. Resumed from step 3: the torn save is gone, step 4 is redone and logged once; what the killed run left
+    #    on this host (its Ray temp dir, its processes' shared memory) is removed by this start.
+    life3_temp_dir = json.loads((run_dir / ".footprint.json").read_text())["ray_temp_dir"]
+    assert Path(life3_temp_dir).is_dir()
     train(load_recipe(RECIPE, [f"trainer.output_dir={tmp_path}", "name=run", *SETTINGS]))
+    assert not Path(life3_temp_dir).exists()
+    assert [name for name in life3_segments if os.path.exists(f"/dev/shm/{name}")] == []
     assert not partial.exists() and _complete_steps(run_dir) == [1, 3, 4]
     assert _steps_logged(run_dir) == [1, 2, 3, 4]

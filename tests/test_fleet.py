@@ -150,6 +150,32 @@ def test_dispatch_fails_at_once_on_a_bad_request_and_after_bounded_attempts():
     assert len(targets.failures) == 2
 
 
+def test_partial_rollouts_resend_prompt_plus_tokens_so_far_and_join_the_parts():
+    """A weight update aborts each sample after 2 of its 5 tokens (version 1); the re-sent request carries the
+    prompt plus those tokens and asks for the 3 left; the result is the joined sample, its tokens tagged 1 then 2."""
+    bodies: list[dict] = []
+
+    async def request(url, method, endpoint, body):
+        bodies.append(body)
+        prompt, budget = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        if budget == 5:
+            return {"output_ids": [70, 71], "meta_info": {"finish_reason": {"type": "abort", "message": "paused"},
+                                                          "weight_version": "1",
+                                                          "output_token_logprobs": [[-0.1, 70, None],
+                                                                                    [-0.2, 71, None]]}}
+        tokens = list(range(80, 80 + budget))
+        return {"output_ids": tokens, "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "2",
+                                                    "output_token_logprobs": [[-0.5, t, None] for t in tokens]}}
+
+    (result,) = asyncio.run(generate_rows([[1, 2]], [[0]], sampling=sampling(5), seed=3, targets=FakeTargets(["u"]),
+                                          request=request, max_attempts=2, partial=True))
+    assert [body["input_ids"] for body in bodies] == [[1, 2], [1, 2, 70, 71]]
+    assert bodies[1]["sampling_params"]["max_new_tokens"] == 3
+    assert result.output_ids == [70, 71, 80, 81, 82] and result.finish_reason == "length"
+    assert result.logprobs == [-0.1, -0.2, -0.5, -0.5, -0.5]
+    assert result.token_versions == ["1", "1", "2", "2", "2"] and result.weight_version == "2"
+
+
 # ---- a real fleet -----------------------------------------------------------------------------
 
 
@@ -334,6 +360,52 @@ def test_an_in_flight_update_pauses_requests_in_place_and_their_tokens_carry_bot
     straddling = [t for t in tags if set(t) == {"20", "21"}]
     assert straddling, "no request was running through the update"
     assert all(r.weight_version == r.token_versions[-1] for r in results.values())
+
+
+class _PromptLoader:
+    """PROMPTS as prompt batches of 4, in order, forever (the loader's position is its state)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def __next__(self) -> dict:
+        rows = [PROMPTS[(self.position + i) % len(PROMPTS)] for i in range(4)]
+        self.position += 4
+        ids, mask = left_pad(rows, 0)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+
+
+@pytest.mark.dist
+def test_async_rollout_through_a_killed_server_trains_every_uid_once(fleet, pushes):
+    """Asynchronous RL (k = 1, in-flight updates) while a server is killed: its requests are re-sent to the other,
+    the server is restarted and re-synced, and every uid reaches the trainer exactly once, within the bound."""
+    from megarl.controller.rollout_ahead import AsyncRollout
+
+    fleet.sync_weights(version=30)
+    ahead = AsyncRollout(fleet, _PromptLoader(), sampling=sampling(MAX_RESPONSE, ignore_eos=True), rollout_n=N,
+                         batch_size=4, max_staleness=1, total_steps=4, in_flight_updates=True)
+    trained, victim = [], fleet.status()[1]
+    for step in range(4):
+        ahead.admit_until(step)
+        if step == 1:
+            _wait_for_a_running_request(fleet)
+            os.kill(victim["pid"], signal.SIGKILL)
+        version = int(fleet.weight_version)
+        groups, metrics = ahead.take(version=version, stop_requested=lambda: False)
+        assert metrics["async/staleness/max"] <= 1
+        assert all(version - int(v) <= 1 for g in groups for tokens in g.token_versions for v in tokens)
+        trained += [g.uid for g in groups]
+        fleet.sync_weights(version=version + 1)
+        ahead.commit(groups)
+        ahead.admit_until(step + 1)
+    ahead.close()
+    assert collections.Counter(trained) == {f"b{b}-p{p}": 1 for b in range(4) for p in range(4)}
+    assert fleet.wait_for_restarts(120)
+    fleet.sync_weights(version=40)  # a restarted server serves again from the next sync on
+    assert fleet.status()[1]["restarts"] == victim["restarts"] + 1 and fleet.status()[1]["state"] == "up"
 
 
 @pytest.mark.dist

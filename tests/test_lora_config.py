@@ -70,6 +70,10 @@ def test_validate_accepts_a_lora_recipe(capsys):
       "placement.pools={a: {}}", "placement.roles={actor: a, rollout: a}"],
      "weight_sync.transport: an adapter-only sync (weight_sync.lora: adapter) goes through tensors on colocated "
      "servers or a shared directory: use 'tensor' or 'disk' (got 'distributed')"),
+    ([*LORA, "weight_sync.lora=adapter", "weight_sync.transport=disk", "placement.colocate=false",
+      "placement.pools={a: {}}", "placement.roles={actor: a, rollout: a}", "rollout.async={max_staleness: 1}"],
+     "weight_sync.lora: the adapter-only sync unloads the previous version's adapter, which requests generating "
+     "across a sync under rollout.async still name: use 'merged' with rollout.async (got 'adapter')"),
 ])
 def test_validate_refuses_what_lora_cannot_do(capsys, overrides, line):
     code, *errors = _validate(capsys, overrides)

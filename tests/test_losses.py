@@ -36,7 +36,7 @@ def test_agg_loss_unknown_mode_names_valid_ones():
 
 
 def _agg_reference(loss: list[list[float]], mask: list[list[int]], mode: str) -> float:
-    """DESIGN.md §4 written out per sequence: S = sequences with a valid token, H = the response window."""
+    """docs/step.md's aggregation written out per sequence: S = sequences with a valid token, H = the response window."""
     horizon = len(mask[0])
     kept = [[value for value, keep in zip(row, row_mask) if keep] for row, row_mask in zip(loss, mask)]
     non_empty = [row for row in kept if row]

@@ -1,4 +1,4 @@
-"""Step metrics: exact names (DESIGN.md §5) and values on a tiny hand-made batch."""
+"""Step metrics: exact names (docs/metrics.md) and values on a tiny hand-made batch."""
 
 from __future__ import annotations
 

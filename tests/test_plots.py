@@ -80,3 +80,19 @@ def test_cli_draws_a_run_that_is_still_writing_and_compares_runs(tmp_path, capsy
 def test_plot_of_a_dir_without_metrics_is_bad_input(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith(f"error: plot: {tmp_path / 'metrics.jsonl'} not found")
+
+
+def test_overlapped_timings_are_a_line_beside_the_stack_and_the_warm_up_loss_has_its_panel():
+    records = _records()
+    for record in records:
+        if "timing_s/step" in record:  # scoring busy during generation: more than the reward phase's own share
+            record["timing_s/reward_total"] = record["timing_s/gen"] + record["timing_s/reward"]
+    sft = [{"sft/step": step, "sft/loss": 2.0 / step} for step in range(1, 6)]
+    axes = _axes(build_figure([("ppo", records)], {"ppo": sft}))
+    timing = axes["Time per step: ppo"]
+    assert "reward_total" not in [container.get_label() for container in timing.containers]
+    (overlapped,) = [line for line in timing.get_lines() if line.get_label() == "reward_total (overlaps)"]
+    assert list(overlapped.get_ydata()) == [r["timing_s/reward_total"] for r in records if "timing_s/step" in r]
+    (loss,) = axes["SFT warm-up loss"].get_lines()
+    assert list(zip(loss.get_xdata(), loss.get_ydata())) == [(r["sft/step"], r["sft/loss"]) for r in sft]
+    assert axes["SFT warm-up loss"].get_xlabel() == "warm-up step"

@@ -1,4 +1,4 @@
-"""Preprocessors: GSM8K / MATH from jsonl and parquet fixtures to the exact DESIGN.md §2 rows,
+"""Preprocessors: GSM8K / MATH from jsonl and parquet fixtures to the exact rows of docs/data.md,
 and one InputError line per bad input naming the file, the row and the value."""
 
 from __future__ import annotations

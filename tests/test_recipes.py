@@ -4,6 +4,7 @@ and `model.path` with an inline `model.config` (validate off-cluster, check on-c
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,24 @@ def test_a_model_needs_a_path_or_a_config():
     with pytest.raises(InputError) as error:
         load_recipe(RECIPES / "grpo-qwen3-8b-gsm8k-math-2n8g-tp4pp2.yaml", ["model.path=null", "model.config=null"])
     assert any("model.path: give model.path, model.config, or both" in line for line in error.value.problems)
+
+
+def test_the_single_gpu_starter_is_one_colocated_device_with_a_half_billion_parameter_qwen(capsys):
+    from megarl.cli import main
+    from megarl.models import arch_from_hf, hf_param_shapes
+
+    path = RECIPES / "grpo-qwen2.5-0.5b-gsm8k-1gpu.yaml"
+    recipe = load_recipe(path)
+    layout = resolve_layout(recipe)
+    assert set(layout) == {"actor", "reference", "rollout"}
+    for role in ("actor", "reference", "rollout"):
+        assert (layout[role].tp, layout[role].world_size) == (1, 1), role
+    assert recipe.placement.device == "cuda" and recipe.placement.colocate and recipe.placement.offload
+    assert recipe.rollout.backend == "sglang" and recipe.algorithm.adv_estimator == "grpo"
+    # Qwen2.5-0.5B: 494M parameters with the embedding tied to the output layer.
+    shapes = hf_param_shapes(arch_from_hf(recipe.model.hf_config()))
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    assert 0.45e9 < parameters < 0.55e9, parameters
+    # The model and data are not on this machine: --offline checks the recipe and its layout alone.
+    assert main(["validate", "--offline", str(path)]) == 0
+    assert "rollout    pool colocated (1x1)  world 1  servers 1 x tp 1" in capsys.readouterr().out

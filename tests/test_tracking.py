@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -87,3 +88,48 @@ def test_controller_state_round_trips_through_json(tmp_path):
     run_state.restore(state, loader=fresh_loader, kl_ctrl=fresh_kl)
     assert (next(fresh_loader)["index"].tolist(), random.random(), np.random.rand(), torch.rand(1).item()) == expected
     assert fresh_kl.value == kl_ctrl.value and state["step"] == 3 and state["weight_version"] == 3
+
+
+def test_into_a_file_the_progress_is_one_plain_line_per_step(tmp_path):
+    from megarl.tracking.console import LineConsole, progress_console
+
+    log = tmp_path / "log"
+    with open(log, "w") as stream:
+        console = progress_console(3, None, stream)
+        assert isinstance(console, LineConsole)  # a file is no terminal
+        console.step(0, {"val/score/mean": 0.25})  # validation before training: no line of its own
+        timings = {"timing_s/gen": 2.0, "timing_s/reward": 0.1, "timing_s/reward_total": 1.9,
+                   "timing_s/update_actor": 1.5, "timing_s/update_weights": 0.4, "timing_s/step": 4.0}
+        for step in (1, 2):
+            console.step(step, {"critic/score/mean": 0.5 + step / 10, **timings})
+        console.step(3, {"critic/score/mean": 0.8, "val/score/mean": 0.75, **timings})
+    lines = log.read_text().splitlines()
+    assert len(lines) == 3
+    # The first step's pace is its own timer (4 s): 2 steps left, 8 s.
+    assert re.match(r"step 1/3  score 0\.600  val 0\.250 \(step 0\)  4\.0 s/step  elapsed \d:\d\d:\d\d  ETA 0:00:08  ",
+                    lines[0])
+    assert lines[2].startswith("step 3/3  score 0.800  val 0.750 (step 3)")
+    # Phase shares of the step; reward_total overlaps gen, so it is no share; under 1% is left out.
+    assert lines[0].endswith("gen 50% reward 2% update_actor 38% update_weights 10%")
+
+
+def test_the_warm_up_writes_its_own_metrics_and_progress_and_leaves_the_step_records_alone(tmp_path, capsys):
+    from megarl.tracking.console import SFT_EVERY
+
+    tracker = Tracker(tmp_path, total_steps=4)  # console on: pytest's captured stderr is no terminal
+    limit = SFT_EVERY + 5
+    for step in range(1, limit + 1):
+        tracker.log_sft(step, {"sft/loss": 1.0 / step, "sft/grad_norm": 0.5}, limit=limit, loss=1.0 / step,
+                        target=None)
+    tracker.log(1, {"critic/score/mean": 0.5, "timing_s/step": 1.0})
+    tracker.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+    sft = read_metrics(tmp_path / "sft_metrics.jsonl")
+    assert [(r["sft/step"], r["sft/loss"]) for r in sft] == [(step, 1.0 / step) for step in range(1, limit + 1)]
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard" / "sft"), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    assert [event.step for event in accumulator.Scalars("sft/loss")] == list(range(1, limit + 1))
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split("  ")[0] for line in err] == [f"sft warm-up 1/{limit}", f"sft warm-up {SFT_EVERY}/{limit}",
+                                                      f"sft warm-up {limit}/{limit}", "step 1/4"]
+    assert err[2].startswith(f"sft warm-up {limit}/{limit}  loss {1.0 / limit:.4f}  elapsed ")

@@ -1,5 +1,7 @@
 """The calculator tool's arithmetic: an expression of numbers, + - * / // % **, unary signs and parentheses.
 
+Numbers are written as in Python, and integers may also be zero-padded ("02322" is 2322).
+
 The expression is parsed with Python's `ast` and only those nodes are evaluated: no names,
 calls or attributes, so no text reaches `eval`. Integers are exact (Python ints); a power
 whose result would exceed `MAX_DIGITS` digits is refused before it is computed. The tool
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
 
 MAX_DIGITS = 4000  # the largest integer result; keeps a power from eating the CPU budget silently
 MAX_LENGTH = 1000  # characters of an expression
@@ -25,6 +28,8 @@ _BINARY = {
     ast.Pow: operator.pow,
 }
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+# Zeros that pad an integer ("02322", as zero-padded problems write operands): Python's grammar refuses them.
+_PADDING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
 
 class CalculatorError(ValueError):
@@ -38,7 +43,7 @@ def evaluate(expression: str) -> int | float:
     if len(expression) > MAX_LENGTH:
         raise CalculatorError(f"the expression is longer than {MAX_LENGTH} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = ast.parse(_PADDING_ZEROS.sub("", expression.strip()), mode="eval")
     except SyntaxError:
         raise CalculatorError(f"cannot parse {expression!r}") from None
     return _value(tree.body)

@@ -78,7 +78,7 @@ def agg_loss(
     """Reduce a per-token loss `[B, R]` over the valid tokens of `loss_mask` `[B, R]` to a scalar.
 
     With S = the sequences holding at least one valid token and H = R (the
-    response window), the modes are (DESIGN.md §4): `token-mean` sum / valid
+    response window), the modes are (docs/step.md): `token-mean` sum / valid
     tokens; `seq-mean-token-sum` (1/|S|) sum_i sum_t l; `seq-mean-token-mean`
     (1/|S|) sum_i mean_t l; `seq-mean-token-sum-norm` (1/|S|) sum_i sum_t l / H
     (Dr.GRPO).

@@ -1,6 +1,6 @@
 """Step metrics computed from the batch: scores, rewards, advantages, lengths, timings, throughput.
 
-The metric names are the logging contract of DESIGN.md §5; every value is a
+The metric names are the logging contract of docs/metrics.md; every value is a
 Python float, ready for the logger. Statistics over tokens use the response
 tokens only; a statistic over an empty set is NaN rather than an exception,
 so one degenerate batch cannot kill a long run from its metrics.

@@ -70,9 +70,9 @@ def importance_weights(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(weights [B, R], kept mask [B, R], metrics) of the module docstring's formulas, all tensors `[B, R]`.
 
-    `weights` is 0 on masked tokens and 1 outside the response. Metrics over the response tokens: `rollout_corr/mean` and
-    `rollout_corr/max` of the weights the loss uses (kept tokens), `rollout_corr/clipped` the share truncated
-    (rho > C, truncate), `rollout_corr/masked` the share taken out of the loss (rho > C, mask).
+    `weights` is 0 on masked tokens and 1 outside the response. Metrics over the response tokens:
+    `rollout_corr/mean` and `rollout_corr/max` of the weights the loss uses (kept tokens), `rollout_corr/clipped`
+    the share truncated (rho > C, truncate), `rollout_corr/masked` the share taken out of the loss (rho > C, mask).
     """
     if mode not in CORRECTION_MODES:
         raise ValueError(f"correction mode must be one of {CORRECTION_MODES}, got {mode!r}")

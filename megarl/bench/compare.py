@@ -3,8 +3,10 @@
 Reports line up as the report format promises: by table name, then by the row key
 (the first column) and the column name. Every numeric cell of the first report gets
 a line with its value in each report and, for the others, the ratio to the first
-(a ratio above 1 means a larger figure: slower for seconds, faster for tokens/s).
-Rows only the later reports have are listed too, without a ratio. Tables keyed by
+(a ratio above 1 means a larger figure: slower for seconds, faster for tokens/s); a
+figure that shows as zero (or is absent) in every report is left out. Rows only the later reports
+have are listed too, without a ratio. A summary opens the comparison: the step time,
+tokens/s per device, MFU and the three phases whose median time changed most. Tables keyed by
 numbers (per-step listings) are left out: their rows are steps, which do not line
 up from one run to another. The settings that differ between the reports come
 first, so a comparison shows what was changed next to what it did. Standard
@@ -18,6 +20,18 @@ import string
 from pathlib import Path
 
 from megarl.bench.report import Cell, Column, Report, Table, flatten_settings
+
+
+# The summary's figures, by table: the step time, throughput per device and MFU.
+SUMMARY = {
+    "phases": ["step: median (s)"],
+    "throughput": ["generated (response tokens): over the step (tokens/s/device)",
+                   "trained (prompt + response tokens): over the step (tokens/s/device)"],
+    "model FLOPs utilisation": ["training phases: MFU (%)"],
+}
+# ... then this many phases whose median changed most; a phase's median is the key ending so.
+PHASE_CHANGES = 3
+PHASE_MEDIAN = ": median (s)"
 
 
 def _label(index: int) -> str:
@@ -62,20 +76,58 @@ def _settings_differences(reports: list[tuple[str, Report]]) -> Table:
     return table
 
 
-def _figures(name: str, reports: list[tuple[str, Report]]) -> Table:
+def _figure_columns(reports: list[tuple[str, Report]]) -> list[Column]:
     columns = [Column("figure"), Column(_label(0))]
     for index in range(1, len(reports)):
         columns += [Column(_label(index)), Column(f"{_label(index)}/{_label(0)}", "x", ".3f")]
-    table = Table(name, columns)
+    return columns
+
+
+def _add_figure(table: Table, key: str, cells: list[dict[str, tuple[Cell, Column]]]) -> None:
+    """The line of figure `key`: its value in each report, and each later report's ratio to the first."""
+    first = cells[0].get(key)
+    line: list[Cell] = [key, _shown(first)]
+    for other in cells[1:]:
+        cell = other.get(key)
+        line += [_shown(cell), cell[0] / first[0] if cell is not None and first is not None and first[0] else None]
+    table.add_row(*line)
+
+
+def _figures(name: str, reports: list[tuple[str, Report]]) -> Table:
+    table = Table(name, _figure_columns(reports))
     cells = [_cells(_table_of(report, name)) for _, report in reports]
     for key in dict.fromkeys(key for per_report in cells for key in per_report):
-        first = cells[0].get(key)
-        line: list[Cell] = [key, _shown(first)]
-        for other in cells[1:]:
-            cell = other.get(key)
-            line += [_shown(cell), cell[0] / first[0] if cell is not None and first is not None and first[0] else None]
-        table.add_row(*line)
+        if all(_shows_zero(per_report.get(key)) for per_report in cells):
+            continue  # zero as shown (or absent) everywhere: a ratio of rounding noise
+        _add_figure(table, key, cells)
     return table
+
+
+def _summary(reports: list[tuple[str, Report]]) -> Table:
+    """`SUMMARY`'s figures, then the `PHASE_CHANGES` phases whose median moved most (in seconds) in any report."""
+    table = Table("summary", _figure_columns(reports))
+    for name, keys in SUMMARY.items():
+        cells = [_cells(_table_of(report, name)) for _, report in reports]
+        for key in keys:
+            if any(key in per_report for per_report in cells):
+                _add_figure(table, key, cells)
+    phases = [_cells(_table_of(report, "phases")) for _, report in reports]
+    medians = [key for key in phases[0] if key.endswith(PHASE_MEDIAN) and key != SUMMARY["phases"][0]]
+    change = {key: max((abs(other[key][0] - phases[0][key][0]) for other in phases[1:] if key in other), default=0.0)
+              for key in medians}
+    for key in sorted(change, key=change.get, reverse=True)[:PHASE_CHANGES]:
+        if change[key] > 0:
+            _add_figure(table, key, phases)
+    return table
+
+
+def _shows_zero(cell: tuple[Cell, Column] | None) -> bool:
+    if cell is None:
+        return True
+    try:
+        return float(_shown(cell)) == 0.0
+    except ValueError:  # rendered with more than a number
+        return False
 
 
 def _shown(cell: tuple[Cell, Column] | None) -> str:
@@ -88,7 +140,7 @@ def compare_reports(paths: list[Path]) -> tuple[str, list[Table]]:
     reports = [(str(path), Report.read(path)) for path in paths]
     names = [table.name for _, report in reports for table in report.tables
              if table.rows and not any(_numeric(row[0]) for row in table.rows)]
-    tables = [_header(reports), _settings_differences(reports)]
+    tables = [_header(reports), _summary(reports), _settings_differences(reports)]
     tables += [_figures(name, reports) for name in dict.fromkeys(names)]
     lines = [f"# comparison of {len(reports)} benchmark reports (ratios to {_label(0)})"]
     for table in tables:

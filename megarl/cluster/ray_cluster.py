@@ -29,7 +29,7 @@ from megarl.cluster.ray_ports import free_block
 from megarl.processes import MARK_ENV, sweep
 
 # Worker processes inherit these: loopback only, no usage reporting, one
-# OpenMP thread per rank (PLATFORM.md: without it step times swing 60x).
+# OpenMP thread per rank (without it, measured step times on 2 cores swung 60x).
 _RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -41,7 +41,8 @@ _RAY_ENV = {
 
 
 def _worker_env() -> dict[str, str]:
-    keep = ("PYTHONPATH", "HF_HUB_OFFLINE", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "MEGARL_")
+    keep = ("PYTHONPATH", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+            "MEGARL_")
     env = {k: v for k, v in os.environ.items() if k.startswith(keep)}
     env.update({k: os.environ.get(k, v) for k, v in _RAY_ENV.items()})
     return env
@@ -109,9 +110,9 @@ def _head_failed(process: subprocess.Popen, log: Path, why: str) -> RuntimeError
     return RuntimeError(f"this run's Ray head (pid {process.pid}) {why}; its output:\n{tail}")
 
 
-def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> None:
+def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
     """Start a Ray head on loopback in a session of its own and join it; `cleanup` stops it and every process
-    it started, then removes its temp dir."""
+    it started, then removes its temp dir, which is returned."""
     _own_head_env()
     temp_dir = new_temp_dir()
     cleanup.callback(shutil.rmtree, temp_dir, True)
@@ -139,6 +140,7 @@ def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> None:
     cleanup.callback(_reap, process)
     cleanup.callback(sweep, mark, process.pid)
     _join_when_ready(named["gcs"], process, log)
+    return temp_dir
 
 
 # What `ray start` prints once its node has registered with the GCS (ray/scripts/scripts.py, both roles).
@@ -165,15 +167,17 @@ def _reap(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> None:
+def ray_for_run(cleanup: ExitStack, address: str | None, *, num_cpus: int = 8) -> str | None:
     """Join the cluster at `address`, or (none given, none running) start this run's own head, which `cleanup`
-    stops with everything it started."""
+    stops with everything it started; returns the head's temp dir (None when joining)."""
     if address:
         connect_ray(address)
-        return
+        return None
     _own_head_env()
     import ray
 
     if not ray.is_initialized():
-        start_own_head(cleanup, num_cpus=num_cpus)
+        temp_dir = start_own_head(cleanup, num_cpus=num_cpus)
         cleanup.callback(ray.shutdown)
+        return temp_dir
+    return None

@@ -36,10 +36,9 @@ def warmed_up_checkpoint(recipe: Recipe, *, pool, layout_of: str, weights: Path,
     group = start_engine_group(pool, name="sft_warmup", settings=warmup_engine_settings(recipe, layout_of=layout_of),
                                hf_config=hf_config, weights=str(weights), log_dir=None)
     try:
-        steps = run_sft_warmup(PolicyRole(group, batching=logprob_batching(recipe)), data, recipe, tracker)
+        run_sft_warmup(PolicyRole(group, batching=logprob_batching(recipe)), data, recipe, tracker)
         shutil.rmtree(out_dir, ignore_errors=True)
         group.run(MegatronWorker.save_checkpoint, str(out_dir), weights_only=True)
-        tracker.message(f"warm-up: {steps} supervised steps, saved to {out_dir}")
         return out_dir
     finally:
         group.kill()

@@ -491,6 +491,13 @@ def _check_lora(recipe: Recipe, shape: dict[str, int] | None) -> list[Problem]:
         problems.append(_problem("weight_sync.transport", "an adapter-only sync (weight_sync.lora: adapter) goes "
                                  "through tensors on colocated servers or a shared directory: use 'tensor' or "
                                  "'disk'", "distributed"))
+    ahead = recipe.rollout.async_
+    if recipe.weight_sync.lora == "adapter" and ahead is not None and ahead.max_staleness > 0:
+        # Each request names the adapter of the version it started under, and a sync unloads the previous one:
+        # requests still generating (or re-sent, or paused in place) across a sync would name an unloaded adapter.
+        problems.append(_problem("weight_sync.lora", "the adapter-only sync unloads the previous version's adapter, "
+                                 "which requests generating across a sync under rollout.async still name: use "
+                                 "'merged' with rollout.async", "adapter"))
     return problems
 
 

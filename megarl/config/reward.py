@@ -1,7 +1,7 @@
 """Recipe sections of the reward phase: rule scorers, the model-side score (reward model, LLM judge or remote
 service), how the two combine, and `megarl train-rm`.
 
-A step's reward has two sides (DESIGN.md §3). The rule side is the scorer of each
+A step's reward has two sides (docs/data.md, the README's Rewards). The rule side is the scorer of each
 row's `data_source` and is always computed. The model side is at most one of: the
 Megatron reward model (`reward_model`), an LLM judge served by its own fleet
 (`reward.judge`) or the user's HTTP service (`reward.remote`); its per-row score goes

@@ -123,7 +123,7 @@ class SyntheticData(Section):
 
 
 class DataConfig(Section):
-    train_files: list[str] = Field(default_factory=list, description="training parquet files (DESIGN.md §2 schema)")
+    train_files: list[str] = Field(default_factory=list, description="training parquet files (rows as in docs/data.md)")
     val_files: list[str] = Field(default_factory=list, description="validation parquet files")
     synthetic: SyntheticData | None = Field(None, description="generate data into the run dir instead of reading files")
     prompt_key: str = Field("prompt", description="column holding the chat-format prompt")
@@ -251,7 +251,8 @@ class WandbConfig(Section):
 class LoggingConfig(Section):
     jsonl: bool = Field(True, description="metrics.jsonl in the run dir")
     tensorboard: bool = Field(True, description="TensorBoard event files in the run dir")
-    console: bool = Field(True, description="one summary line per step on stdout")
+    console: bool = Field(True, description="progress on stderr: a bar on a terminal, one line per step "
+                          "in a file or pipe (a Slurm log)")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="optional Weights & Biases sink")
 
 

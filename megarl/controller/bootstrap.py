@@ -7,6 +7,7 @@ no scorer) surface here as `InputError`, before Ray or any engine is started.
 from __future__ import annotations
 
 import functools
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from megarl.errors import InputError
 from megarl.protocol import Batch
 from megarl.rewards.manager import RewardManager, reward_metrics
 from megarl.rewards.registry import build_scorers, check_data_sources, ground_truth_checks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,6 +134,10 @@ def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
     problems = vocabulary_problems(recipe, tokenizer) + dataset_size_problems(recipe, train_dataset, val_dataset)
     if problems:
         raise InputError(problems)
+    for dataset in (train_dataset, val_dataset):
+        if dataset is not None and dataset.num_dropped:
+            logger.warning("dropped %d of %d prompts longer than data.max_prompt_length=%d tokens (%s)",
+                           dataset.num_dropped, dataset.num_rows, data.max_prompt_length, dataset.source)
     if generated:  # kept with the run: the data set it trained on
         atomic.write_files({run_dir / "data" / f"{split}.parquet": functools.partial(write_rows, rows)
                             for split, rows in generated.items()})

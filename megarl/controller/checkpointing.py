@@ -25,6 +25,7 @@ from pathlib import Path
 
 from megarl import atomic
 from megarl.cluster.engine_worker import MegatronWorker
+from megarl.controller.disk_full import disk_full_error
 
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-step_"
@@ -152,7 +153,10 @@ def _reference_engine(roles):
 
 def save_step(roles, run_dir: Path, *, step: int, controller_state: dict, recipe_text: str, keep_last: int,
               weights_only: bool) -> StepCheckpoint:
-    """Write step `step` atomically (see the module docstring), then prune to the newest `keep_last` steps."""
+    """Write step `step` atomically (see the module docstring), then prune to the newest `keep_last` steps.
+
+    A save that fails leaves no partial directory behind; one that failed because the disk is full raises
+    OSError(ENOSPC) naming the step directory, the space left and the previous checkpoint (intact)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{TMP_PREFIX}{step}"
@@ -160,6 +164,23 @@ def save_step(roles, run_dir: Path, *, step: int, controller_state: dict, recipe
         shutil.rmtree(tmp)
     tmp.mkdir()
     previous = complete_steps(run_dir)
+    try:
+        return _save_into(tmp, roles, run_dir, step=step, previous=previous, controller_state=controller_state,
+                          recipe_text=recipe_text, keep_last=keep_last, weights_only=weights_only)
+    except Exception as error:
+        # Measured before the partial directory goes: the space the save found, not what removing it frees.
+        intact = f"{previous[-1].path} is intact" if previous else "no earlier checkpoint"
+        full = disk_full_error(error, root / f"{STEP_PREFIX}{step}", note=intact,
+                               needed_bytes=int(previous[-1].marker.get("bytes", 0)) if previous else 0)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None and full is not error:
+            raise full from error
+        raise
+
+
+def _save_into(tmp: Path, roles, run_dir: Path, *, step: int, previous: list[StepCheckpoint], controller_state: dict,
+               recipe_text: str, keep_last: int, weights_only: bool) -> StepCheckpoint:
+    root = tmp.parent
     roles.actor.group.run(MegatronWorker.save_checkpoint, str(tmp / "actor"), weights_only=weights_only)
     saved_roles = ["actor"]
     if roles.critic is not None:

@@ -120,6 +120,8 @@ class StepLoop:
             return {}
         if rows:
             write_samples(self.run_dir, "val", step, rows)
+        logger.info("validation at step %d: %s", step,
+                    "  ".join(f"{key} {value:.4f}" for key, value in metrics.items()))
         return metrics
 
     def _write_train_samples(self, step: int) -> None:

@@ -1,7 +1,7 @@
 """The data-shaping parts of a step: uids, the generation batch, assembling responses, masks, advantages.
 
 Each function takes and returns a `Batch` (or tensors) and does one thing of the
-phase table in DESIGN.md §1; the step (`step.py`) calls them in order.
+phase table in docs/step.md; the step (`step.py`) calls them in order.
 """
 
 from __future__ import annotations

@@ -6,13 +6,19 @@ at phase boundaries: a step that has not begun to update any weights is abandone
 its controller state rolled back, one that has is finished. The run then writes a
 checkpoint (unless the newest one already holds that step), stops every server and
 worker, and `megarl train` exits with `EXIT_PREEMPTED`. A second signal, or
-`timeout_s` passing after the first, raises `SystemExit(128 + signal)` in the main
-thread at once: servers and workers are still stopped on the way out, but no checkpoint
-is written (the newest complete one stays usable). Should even that take longer than
-`HARD_EXIT_S`, the process exits on the spot.
+`timeout_s` passing after the first, raises `StoppedAtOnce(128 + signal)` (a SystemExit)
+in the main thread at once: servers and workers are still stopped on the way out, but no
+checkpoint is written (the newest complete one stays usable). Should even that take
+longer than `HARD_EXIT_S`, the process exits on the spot with the same status, and so
+does the CLI whatever the teardown meets on the way (`stop_status`: a worker that fails
+under it must not turn the stop into a traceback and status 1). Later signals change
+nothing.
 
-Handlers are replaced only in the main thread and only inside the `with` block, which
-must begin after `ray.init` (Ray installs a SIGTERM handler that ends the process).
+Handlers are replaced only in the main thread and only from the `with` block on, which
+must begin after `ray.init` (Ray installs a SIGTERM handler that ends the process). Once
+a stop was requested they stay after the block while the run tears down: a signal then
+is a second one too, never the default action (which would end the process by the
+signal instead of with a status).
 Ray starts its processes with SIGINT blocked, so a Ctrl-C in a terminal (sent to the
 whole process group) reaches the driver and leaves the workers to be stopped by it.
 """
@@ -29,6 +35,21 @@ from pathlib import Path
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: run the same command again to resume
 HARD_EXIT_S = 60.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StoppedAtOnce(SystemExit):
+    """A second signal, or the timeout after the first: exit at once with `code` = 128 + the signal."""
+
+
+def stop_status(error: BaseException | None) -> int | None:
+    """The exit status of the StoppedAtOnce that `error` is or was raised while handling, else None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, StoppedAtOnce):
+            return error.code
+        seen.add(id(error))
+        error = error.__context__
+    return None
 
 
 class Preempted(Exception):
@@ -49,6 +70,7 @@ class Preemption:
         self._interrupters: list[Callable[[], None]] = []
         self._previous: dict[int, object] = {}
         self._timers: list[threading.Timer] = []
+        self._stop_status: int | None = None
 
     @property
     def requested(self) -> bool:
@@ -66,11 +88,13 @@ class Preemption:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        if self.requested:
+            return  # the run is stopping: a signal during the rest of its teardown is a second one (_handle)
         for signum, handler in self._previous.items():
             # None: the previous handler was not Python's (Ray's, installed in C); it cannot be put back.
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-        for timer in self._timers:
-            timer.cancel()
 
     def _start_timer(self, seconds: float, action: Callable[[], None]) -> None:
         timer = threading.Timer(seconds, action)
@@ -95,9 +119,12 @@ class Preemption:
             self._start_timer(self.timeout_s, self._expire)
             self._run_interrupters(list(self._interrupters))
             return
+        if self._stop_status is not None:
+            return  # already stopping at once; the hard exit below bounds how long that takes
+        self._stop_status = status = 128 + signum
         os.write(2, f"\nmegarl: {name}: stopping at once, without a new checkpoint\n".encode())
-        self._start_timer(HARD_EXIT_S, lambda: os._exit(128 + signum))
-        raise SystemExit(128 + signum)
+        self._start_timer(HARD_EXIT_S, lambda: os._exit(status))
+        raise StoppedAtOnce(status)
 
     def _expire(self) -> None:
         os.write(2, f"\nmegarl: no checkpoint within {self.timeout_s:.0f} s of the signal: stopping\n".encode())

@@ -38,10 +38,12 @@ class RolloutProducer:
     docstring. `admit`/`regenerate` run on the controller's thread, the row callbacks on the fleet's loop."""
 
     def __init__(self, fleet, buffer: GroupBuffer, *, sampling: SamplingSettings, rollout_n: int,
-                 per_token_versions: bool = False):
-        """`per_token_versions`: weight updates happen while samples run (in place), so ask for every token's."""
+                 per_token_versions: bool = False, partial: bool = False):
+        """`per_token_versions`: weight updates happen while samples run (in place), so ask for every token's;
+        `partial`: a sample a weight update aborts goes on from its tokens (partial rollouts)."""
         self.fleet, self.buffer, self.sampling, self.n = fleet, buffer, sampling, rollout_n
-        self.per_token_versions = per_token_versions
+        self.options = {"per_token_versions": True} if per_token_versions else {}
+        self.options |= {"partial": True} if partial else {}
         self._lock = threading.Lock()
         self._generating = 0  # groups admitted and not yet complete
         self._seq = 0
@@ -116,8 +118,7 @@ class RolloutProducer:
                 if all(slots[row] is not None for row in span):
                     self._complete(groups[index], [slots[row] for row in span])
 
-        future = self.fleet.start_generation(gen, self.sampling, seed=seed, on_rows=on_rows,
-                                             **({"per_token_versions": True} if self.per_token_versions else {}))
+        future = self.fleet.start_generation(gen, self.sampling, seed=seed, on_rows=on_rows, **self.options)
         self._futures.add(future)
         future.add_done_callback(self._finished)
 

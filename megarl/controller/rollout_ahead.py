@@ -35,12 +35,13 @@ class AsyncRollout:
     """Admission, the producer, the buffer and the trained-uid bookkeeping of one asynchronous run."""
 
     def __init__(self, fleet, loader, *, sampling, rollout_n: int, batch_size: int, max_staleness: int,
-                 total_steps: int, in_flight_updates: bool = False):
-        """`in_flight_updates`: syncs pause requests in place, so samples may span versions (tagged per token)."""
+                 total_steps: int, in_flight_updates: bool = False, partial_rollouts: bool = False):
+        """`in_flight_updates`: syncs pause requests in place, so samples may span versions (tagged per token);
+        `partial_rollouts`: syncs abort them, and they go on from their tokens."""
         self.loader, self.batch_size, self.k, self.total_steps = loader, batch_size, max_staleness, total_steps
         self.buffer = GroupBuffer()
         self.producer = RolloutProducer(fleet, self.buffer, sampling=sampling, rollout_n=rollout_n,
-                                        per_token_versions=in_flight_updates)
+                                        per_token_versions=in_flight_updates, partial=partial_rollouts)
         self._admitted = 0  # the next batch index to admit
         self._loader_states: dict[int, dict] = {}  # the loader's state before drawing each admitted batch
         self._trained: dict[int, set[int]] = {}  # per admitted batch, the prompt rows trained
@@ -66,6 +67,7 @@ class AsyncRollout:
         """The batch's groups (the oldest complete ones, within the bound) and the async/* metrics."""
 
         def check() -> None:
+            self.producer.fleet.serve_stalled()  # a restarted server gets its weights on this (the driver's) thread
             if self.producer.failure is not None:
                 raise self.producer.failure
             if stop_requested():

@@ -10,6 +10,7 @@ is stopped here, by handle, also when a signal stops the run (`preemption`).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from pathlib import Path
 from megarl import atomic
 from megarl.cluster.engine_worker import MegatronWorker, start_engine_group
 from megarl.cluster.fleet import start_fleet
+from megarl.cluster.leftovers import Footprint, clear_dead_previous
 from megarl.cluster.memory import MemoryCycle
 from megarl.cluster.placement import plan_pools, total_devices
 from megarl.cluster.ray_cluster import ray_for_run
@@ -43,8 +45,10 @@ from megarl.config.settings import (
     weight_sync_settings,
 )
 from megarl.controller import run_state
+from megarl.controller.banner import start_banner
 from megarl.controller.bootstrap import prepare_data, prepare_initial_weights
-from megarl.controller.checkpointing import StepCheckpoint, load_step
+from megarl.controller.checkpointing import StepCheckpoint, complete_steps, load_step
+from megarl.controller.disk_full import disk_full_error
 from megarl.controller.loop import StepLoop
 from megarl.controller.multi_turn import EpisodeRewards, start_agent
 from megarl.controller.preemption import Preempted, Preemption
@@ -59,6 +63,8 @@ from megarl.errors import InputError
 from megarl.rollout import RolloutFleet
 from megarl.tracking.tracker import Tracker, controller_log
 from megarl.tracking.wandb_sink import WandbSink
+
+logger = logging.getLogger(__name__)
 
 
 def _engine_group(recipe: Recipe, role: str, pool, *, hf_config: dict, weights: Path, log_dir: Path) -> WorkerGroup:
@@ -205,7 +211,8 @@ def _async_rollout(recipe: Recipe, settings: StepSettings, *, roles: Roles, data
     ahead = AsyncRollout(roles.rollout, data.train_batches, sampling=settings.sampling, rollout_n=settings.rollout_n,
                          batch_size=recipe.data.train_batch_size, max_staleness=settings.async_rollout.max_staleness,
                          total_steps=recipe.trainer.total_steps,
-                         in_flight_updates=settings.async_rollout.in_flight_updates)
+                         in_flight_updates=settings.async_rollout.in_flight_updates,
+                         partial_rollouts=settings.async_rollout.partial_rollouts)
     state = resume_from.controller_state().get("async") if resume_from is not None else None
     ahead.restore(state if state is not None else {"next_batch": start_step, "trained": {}})
     cleanup.callback(ahead.close)
@@ -222,36 +229,23 @@ def _tracker(recipe: Recipe, run_dir: Path, resume_from: StepCheckpoint | None) 
                    resume_step=resume_from.step if resume_from is not None else None)
 
 
-def train(recipe: Recipe, *, ray_address: str | None = None,
-          on_phase: Callable[[int, str], None] | None = None) -> Path:
-    """Run `recipe` to its last step, resuming its run directory's newest checkpoint when it has one
-    (`trainer.checkpoint.resume: auto`); returns the run directory. `on_phase(step, phase)` hears every
-    phase of every step begin (`megarl bench` draws its progress line with it).
-
-    Joins `ray_address`, or the Ray already initialised in this process, or starts a
-    local one (and then stops it at the end). On SIGTERM/SIGINT it checkpoints, stops
-    everything it started and raises `Preempted`.
-    """
-    problems = check_checkpoints(recipe)
-    if problems:
-        raise InputError(problems)
-    run_dir = prepare_run_dir(recipe)
-    resume_from = resume_or_start(run_dir, recipe, say=lambda line: print(f"megarl: {line}", flush=True))
-    start_step = resume_from.step if resume_from is not None else 0
-    if start_step >= recipe.trainer.total_steps:
-        print(f"megarl: {run_dir} already completed step {start_step} (trainer.total_steps="
-              f"{recipe.trainer.total_steps}); raise total_steps to continue it", flush=True)
-        return run_dir
-    data = prepare_data(recipe, run_dir)
-    weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
-    # Written once every check passed, so a refused run leaves an earlier run's recipe alone.
-    atomic.write_text(run_dir / "recipe.yaml", dump_recipe(recipe))
+def _drive(recipe: Recipe, *, run_dir: Path, data, weights: Path, resume_from: StepCheckpoint | None,
+           start_step: int, ray_address: str | None, on_phase, decisions: list[str]) -> None:
+    """Ray, the roles and the step loop from `start_step` on; everything started here is stopped here.
+    `decisions` (what the start decided, shown already) go to controller.log."""
     checkpoint = recipe.trainer.checkpoint
-
     with controller_log(run_dir), ExitStack() as cleanup:
+        for line in decisions:
+            logger.info(line)
+        # First in, last out: once everything is stopped, the shared memory of its processes goes too.
+        footprint = Footprint(run_dir)
+        cleanup.callback(footprint.release)
         tracker = _tracker(recipe, run_dir, resume_from)
         cleanup.callback(tracker.close)
-        ray_for_run(cleanup, ray_address)
+        for line in start_banner(recipe, run_dir, resume_from):
+            tracker.message(line)
+        footprint.set_temp_dir(ray_for_run(cleanup, ray_address))
+        footprint.watch()
         # After ray.init, which installs a SIGTERM handler of its own that ends the process at once.
         preemption = cleanup.enter_context(Preemption(checkpoint.preempt_timeout_s))
         pools = plan_pools(recipe)
@@ -268,5 +262,52 @@ def train(recipe: Recipe, *, ray_address: str | None = None,
                         preemption=preemption, newest=resume_from,
                         val_sampling=validation_sampling(recipe, eos_token_id=eos), ahead=ahead)
         loop.run(start_step)
+
+
+def train(recipe: Recipe, *, ray_address: str | None = None,
+          on_phase: Callable[[int, str], None] | None = None) -> Path:
+    """Run `recipe` to its last step, resuming its run directory's newest checkpoint when it has one
+    (`trainer.checkpoint.resume: auto`); returns the run directory. `on_phase(step, phase)` hears every
+    phase of every step begin (`megarl bench` draws its progress line with it).
+
+    Joins `ray_address`, or the Ray already initialised in this process, or starts a
+    local one (and then stops it at the end). On SIGTERM/SIGINT it checkpoints, stops
+    everything it started and raises `Preempted`.
+    """
+    problems = check_checkpoints(recipe)
+    if problems:
+        raise InputError(problems)
+    run_dir = prepare_run_dir(recipe)
+    decisions: list[str] = []  # shown now, written to controller.log once it is open
+
+    def decide(line: str) -> None:
+        decisions.append(line)
+        print(f"megarl: {line}", flush=True)
+
+    for leftover in clear_dead_previous(run_dir):
+        decide(f"removed {leftover}, left by a previous run of {run_dir} that died")
+    resume_from = resume_or_start(run_dir, recipe, say=decide)
+    start_step = resume_from.step if resume_from is not None else 0
+    if start_step >= recipe.trainer.total_steps:
+        print(f"megarl: {run_dir} already completed step {start_step} (trainer.total_steps="
+              f"{recipe.trainer.total_steps}); raise total_steps to continue it", flush=True)
+        return run_dir
+    data = prepare_data(recipe, run_dir)
+    weights = prepare_initial_weights(recipe, run_dir, data.tokenizer)
+    # Written once every check passed, so a refused run leaves an earlier run's recipe alone.
+    atomic.write_text(run_dir / "recipe.yaml", dump_recipe(recipe))
+    try:
+        _drive(recipe, run_dir=run_dir, data=data, weights=weights, resume_from=resume_from, start_step=start_step,
+               ray_address=ray_address, on_phase=on_phase, decisions=decisions)
+    except (Preempted, InputError):
+        raise
+    except Exception as error:
+        # The disk filled under the run (a log, metrics, a sync file): said as such, not as what failed on it.
+        newest = complete_steps(run_dir)
+        full = disk_full_error(error, run_dir,
+                               note=f"{newest[-1].path} is intact" if newest else "no checkpoint was written")
+        if full is not None and full is not error:
+            raise full from error
+        raise
     return run_dir
 

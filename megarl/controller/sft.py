@@ -21,6 +21,9 @@ from megarl.controller.roles import PolicyRole
 from megarl.data.padding import right_pad
 from megarl.protocol import Batch
 
+# The loss the progress shows and `stop_loss` compares: the mean over this many recent steps.
+RECENT_STEPS = 10
+
 
 def sft_batch(prompts: Batch, tokenizer, *, max_response_length: int) -> Batch:
     """prompt + reference solution + eos, with `loss_mask` on the solution tokens only."""
@@ -42,7 +45,9 @@ def sft_batch(prompts: Batch, tokenizer, *, max_response_length: int) -> Batch:
 def run_sft_warmup(actor: PolicyRole, data, recipe, tracker, *, stop_requested=lambda: False) -> int:
     """Warm up until `steps`, until the recent mean loss is below `stop_loss` or until `stop_requested()`;
     returns the steps run. With rollout.multi_turn the traces are the environment's demonstrations, played
-    with the run's tools (`multi_turn.Demonstrations`)."""
+    with the run's tools (`multi_turn.Demonstrations`). Every step's metrics go to the tracker
+    (`sft_metrics.jsonl`, TensorBoard, the warm-up's progress); its end is one message, in
+    `logs/controller.log` too."""
     from megarl.data.dataset import PromptLoader
 
     warmup = recipe.sft_warmup
@@ -52,7 +57,7 @@ def run_sft_warmup(actor: PolicyRole, data, recipe, tracker, *, stop_requested=l
     if multi_turn is not None:
         run_dir = Path(recipe.trainer.output_dir).expanduser() / recipe.name
         demonstrations = Demonstrations(multi_turn, tokenizer=data.tokenizer, run_dir=run_dir)
-    recent: deque[float] = deque(maxlen=10)
+    recent: deque[float] = deque(maxlen=RECENT_STEPS)
     step = 0
     try:
         while step < warmup.steps and not stop_requested():
@@ -62,15 +67,17 @@ def run_sft_warmup(actor: PolicyRole, data, recipe, tracker, *, stop_requested=l
             metrics = actor.sft(batch, batching=batching, lr=warmup.lr)
             recent.append(metrics["sft/loss"])
             step += 1
-            reached = (warmup.stop_loss is not None and len(recent) == recent.maxlen
-                       and mean(recent) < warmup.stop_loss)
-            if step % 50 == 0 or reached or step == warmup.steps:
-                tracker.message(f"sft warm-up step {step}: loss {mean(recent):.4f}")
-            if reached:
+            tracker.log_sft(step, metrics, limit=warmup.steps, loss=mean(recent), target=warmup.stop_loss)
+            if warmup.stop_loss is not None and len(recent) == recent.maxlen and mean(recent) < warmup.stop_loss:
                 break
     finally:
         if demonstrations is not None:
             demonstrations.close()
+    if step:
+        why = "stop requested" if stop_requested() else (
+            "loss target reached" if step < warmup.steps else "step limit reached")
+        tracker.message(f"sft warm-up done at step {step}, loss {mean(recent):.4f} (mean of the last {len(recent)} "
+                        f"steps; {why})")
     # RL starts with fresh Adam moments: SFT momentum would otherwise keep moving the
     # weights even on steps whose advantages are all zero.
     actor.reset_optimizer_state()

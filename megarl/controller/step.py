@@ -1,4 +1,4 @@
-"""One PPO/GRPO step: the phase table of DESIGN.md §1.
+"""One PPO/GRPO step: the phase table of docs/step.md.
 
 `Trainer.step()` reads top to bottom like that table, one call per phase, each
 timed under `timing_s/<phase>`. The reward phase starts during generation (each row

@@ -8,7 +8,6 @@ from `state_dict()` sees exactly the batches an uninterrupted run would.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,6 @@ import numpy as np
 from megarl.data.padding import left_pad, position_ids_from_mask
 from megarl.data.rows import preview, read_checked_rows
 from megarl.errors import InputError
-
-logger = logging.getLogger(__name__)
 
 NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "raw_prompt", "index")
 
@@ -83,7 +80,7 @@ def tokenize_prompts(tokenizer: Any, conversations: Sequence[list[dict]],
 
 
 class RLDataset:
-    """Rows in DESIGN.md §2 format (read from parquet files, or generated), with chat-templated prompt token ids
+    """Rows in the format of docs/data.md (read from parquet files, or generated), with chat-templated prompt token ids
     (showing `tools`, the function schemas of a multi-turn run, where the template shows tools).
 
     Prompts longer than `max_prompt_length` tokens are dropped (counted in `num_dropped`).
@@ -108,11 +105,6 @@ class RLDataset:
         token_ids = tokenize_prompts(tokenizer, [row[prompt_key] for row in rows], tools)
         kept = [position for position, ids in enumerate(token_ids) if len(ids) <= max_prompt_length]
         self.num_dropped = len(rows) - len(kept)
-        if self.num_dropped:
-            logger.warning(
-                "dropped %d of %d prompts longer than max_prompt_length=%d tokens (%s)",
-                self.num_dropped, len(rows), max_prompt_length, source,
-            )
         self.input_ids: list[list[int]] = [token_ids[position] for position in kept]
         self.data_sources: list[str] = [rows[position]["data_source"] for position in kept]
         self.reward_models: list[dict] = [rows[position]["reward_model"] for position in kept]

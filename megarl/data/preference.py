@@ -1,6 +1,6 @@
 """Preference pairs for `megarl train-rm`: the parquet format, reading it, and pairs made from the arithmetic task.
 
-A pair row is `prompt` (chat messages, as in the RL data of DESIGN.md §2), `chosen`
+A pair row is `prompt` (chat messages, as in the RL data of docs/data.md), `chosen`
 and `rejected` (response texts); the reward model should score `chosen` higher. An
 optional `margin` column (a finite number per row) asks for a score gap of at least
 that much: the loss becomes -log sigmoid(s(chosen) - s(rejected) - margin), as in

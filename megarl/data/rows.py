@@ -1,4 +1,4 @@
-"""The RL data row (DESIGN.md §2): building rows, writing them to parquet, and reporting bad ones.
+"""The RL data row (docs/data.md): building rows, writing them to parquet, and reporting bad ones.
 
 Every preprocessor and the synthetic task build rows with `make_row` and write
 them with `write_rows`, so all parquet files share one explicit Arrow schema.

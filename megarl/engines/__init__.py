@@ -21,6 +21,10 @@ import warnings
 # to its local/torch implementations: that is the intended path here, not a fault.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|cuda_graph_scope).*")
 
+from megarl.quiet import quiet_third_parties  # noqa: E402
+
+quiet_third_parties()  # in each engine worker too: it inherits MEGARL_VERBOSE
+
 from megarl.engines import cpu_compat  # noqa: E402  (after the filter, before any megatron import)
 
 cpu_compat.install_stubs()

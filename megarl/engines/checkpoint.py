@@ -29,7 +29,7 @@ settings under `lora` in `megarl_checkpoint.json` (its `base`: the HF dir, or th
 random base), so a checkpoint weighs megabytes. Adapters are stored under global keys, split
 as their linears' weights are, so they too load at any layout.
 
-Save and load are collectives over all ranks of the engine. Trap (PLATFORM.md): the
+Save and load are collectives over all ranks of the engine. Trap: the
 save starts a spawn-based multiprocessing Manager, so a plain script that saves must
 guard its entry point with `if __name__ == "__main__":`; Ray actors and
 `multiprocessing.spawn` workers already are safe.

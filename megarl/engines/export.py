@@ -44,6 +44,14 @@ TOKENIZER_FILES = (
 )
 
 
+def with_the_users_umask(path: Path) -> None:
+    """Give `path` the mode of any file the user creates (0666 less the umask): safetensors writes 0600,
+    which hides an exported model from the group that is meant to serve it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 @contextmanager
 def world_of_one():
     """A world-size-1 gloo process group at TP1/PP1 for the duration of the block (the CPU compatibility layer
@@ -116,7 +124,9 @@ class ShardedWriter:
     def _flush(self) -> None:
         from safetensors.torch import save_file
 
-        save_file(self.pending, str(self.out_dir / f"part-{len(self.files)}.safetensors"), metadata={"format": "pt"})
+        path = self.out_dir / f"part-{len(self.files)}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        with_the_users_umask(path)
         self.files.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 

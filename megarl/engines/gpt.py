@@ -136,7 +136,7 @@ def transformer_config(arch: Arch, *, params_dtype: torch.dtype) -> TransformerC
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        # Batched isend/irecv computes wrong VPP gradients on gloo (PLATFORM.md).
+        # Batched isend/irecv computes wrong VPP gradients on gloo (forward fine, gradients silently off).
         batch_p2p_comm=False,
         **_moe_config(arch),
     )

@@ -23,6 +23,7 @@ from megarl.engines.export import (
     MAX_SHARD_BYTES,
     ShardedWriter,
     checked_tokenizer_dir,
+    with_the_users_umask,
     world_of_one,
     write_config_and_tokenizer,
 )
@@ -71,6 +72,7 @@ def export_peft(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.contiguous() for name, t in to_peft(adapters, arch_from_hf(info.hf_config)).items()}
     save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with_the_users_umask(out_dir / ADAPTER_WEIGHTS)
     config = peft_config(rank=record["rank"], alpha=record["alpha"], dropout=record["dropout"],
                          targets=record["targets"], base_model=record["base"]["path"])
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -9,7 +9,7 @@ same arguments (the ranks of one DP replica receive the same rows): most are
 collectives over the engine's process groups.
 
 Row inputs are mappings of `[B, ...]` tensors keyed as in the step's batch
-(DESIGN.md §1): `input_ids`, `attention_mask`, `position_ids` ([B, P + R]),
+(docs/step.md): `input_ids`, `attention_mask`, `position_ids` ([B, P + R]),
 `responses` ([B, R]), and for updates `response_mask`, `old_log_probs`,
 `advantages`, `ref_log_prob`, `values`, `returns`, `loss_mask`; for a reward model's
 update, the sequences of preference pairs as `chosen_*` and `rejected_*`.

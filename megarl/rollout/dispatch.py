@@ -68,6 +68,7 @@ async def generate_rows(
     on_rows: Callable[[list[int], list[GenerationResult]], None] | None = None,
     lora_path: str | None = None,
     stream: Stream | None = None,
+    partial: bool = False,
 ) -> list[GenerationResult]:
     """One result per prompt row, in row order; `groups` partition the rows into shared-prompt requests.
 
@@ -75,7 +76,9 @@ async def generate_rows(
     only hand the work on); each row is reported exactly once. With `stream` (the client's `stream`) requests
     are streamed and each result lists the weight version of every token (`token_versions`): the version the
     server reported with the event that brought the token, so a sample that went on under new weights
-    (a weight update while it was paused in place) says which tokens each version generated."""
+    (a weight update while it was paused in place) says which tokens each version generated. With `partial`
+    (partial rollouts) a sample aborted with tokens is re-sent as its prompt plus those tokens, for the tokens
+    left of its budget, and its result is the two parts joined (`joined`)."""
     results: list[GenerationResult | None] = [None] * len(prompts)
 
     def store(row: int, result: GenerationResult) -> None:
@@ -83,11 +86,18 @@ async def generate_rows(
             raise RuntimeError(f"row {row} was generated twice")
         results[row] = result
 
-    async def run_group(rows: list[int]) -> None:
+    async def run_group(rows: list[int], prefix: GenerationResult | None = None) -> None:
         pending, attempt = list(rows), 0
+        prompt, params = prompts[rows[0]], sampling
+        if prefix is not None:  # a partial rollout goes on from the tokens it has
+            if len(prefix.output_ids) >= sampling.max_new_tokens:
+                store(rows[0], replace(prefix, finish_reason="length"))
+                return
+            prompt = prompt + prefix.output_ids
+            params = replace(sampling, max_new_tokens=sampling.max_new_tokens - len(prefix.output_ids))
         while pending:
             attempt += 1
-            body = generate_body(prompts[pending[0]], pending, sampling=sampling, seed=seed, return_logprob=True,
+            body = generate_body(prompt, pending, sampling=params, seed=seed, return_logprob=True,
                                  lora_path=lora_path)
             target = await targets.acquire()
             try:
@@ -106,6 +116,15 @@ async def generate_rows(
                 continue
             finally:
                 targets.release(target)
+            if prefix is not None:
+                outputs = [joined(prefix, output, limit=sampling.max_new_tokens) for output in outputs]
+            if partial:
+                # An aborted sample (a weight update aborted it) goes on from its tokens, each row on its own.
+                cut = {row: output for row, output in zip(pending, outputs)
+                       if output.finish_reason == "abort" and output.output_ids}
+                await asyncio.gather(*(run_group([row], output) for row, output in cut.items()))
+                outputs = [output for row, output in zip(pending, outputs) if row not in cut]
+                pending = [row for row in pending if row not in cut]
             # An aborted sample (server paused or shutting down) is no sample: send it again.
             aborted = [row for row, output in zip(pending, outputs) if output.finish_reason == "abort"]
             done = [(row, output) for row, output in zip(pending, outputs) if output.finish_reason != "abort"]
@@ -161,3 +180,17 @@ def _streamed(events: list[Any], *, count: int, url: str) -> list[GenerationResu
                 for index in range(count)]
     except (KeyError, TypeError, ValueError) as error:
         raise RolloutError(url, "/generate", 200, f"malformed stream: {error!r}") from error
+
+
+def joined(prefix: GenerationResult, rest: GenerationResult, *, limit: int) -> GenerationResult:
+    """A partial rollout's parts as one sample: tokens, log-probs and per-token versions in order; it finishes as
+    `rest` does (by length when the prefix alone used the budget `limit`)."""
+    def versions(result: GenerationResult) -> list[str]:
+        return list(result.token_versions or [str(result.weight_version)] * len(result.output_ids))
+
+    reason = rest.finish_reason
+    if len(prefix.output_ids) >= limit and reason == "abort":
+        reason = "length"
+    logprobs = None if prefix.logprobs is None or rest.logprobs is None else prefix.logprobs + rest.logprobs
+    return GenerationResult(output_ids=prefix.output_ids + rest.output_ids, logprobs=logprobs, finish_reason=reason,
+                            weight_version=rest.weight_version, token_versions=versions(prefix) + versions(rest))

@@ -200,11 +200,12 @@ class RolloutFleet:
 
     def start_generation(self, gen_batch: Batch, sampling: SamplingSettings, *, seed: int,
                          on_rows: Callable[[list[int], list[GenerationResult]], None],
-                         per_token_versions: bool = False) -> concurrent.futures.Future:
+                         per_token_versions: bool = False, partial: bool = False) -> concurrent.futures.Future:
         """`generate` without waiting (asynchronous RL): each row's result goes to `on_rows` as it finishes (on
         the client's loop), the future ends with the call (its exception, if any). Seeds as `generate`'s, so a
         batch generated this way draws the samples `generate` would. `per_token_versions`: stream the requests,
-        so each result lists its tokens' weight versions (in-flight updates). `stop_generating()` cancels it."""
+        so each result lists its tokens' weight versions (in-flight updates); `partial`: a sample a weight update
+        aborts goes on from its tokens (partial rollouts). `stop_generating()` cancels it."""
         prompts = prompt_token_lists(gen_batch)
         groups = [[row] for row in range(len(prompts))] if self._router else prompt_groups(prompts)
         with self._generation_lock:
@@ -213,7 +214,7 @@ class RolloutFleet:
             future = self._client.submit(generate_rows(
                 prompts, groups, sampling=sampling, seed=self.call_seed(seed), targets=self,
                 request=self._client.request, max_attempts=self.max_attempts, on_rows=on_rows,
-                lora_path=self.lora_path, stream=self._client.stream if per_token_versions else None,
+                lora_path=self.lora_path, stream=self._client.stream if per_token_versions else None, partial=partial,
             ))
             self._background.add(future)
         future.add_done_callback(self._background.discard)
@@ -277,15 +278,20 @@ class RolloutFleet:
             try:
                 return generation.result(timeout=STALL_POLL_S)
             except concurrent.futures.TimeoutError:
-                stall = self._stall
-                if stall is None or stall.done():
-                    continue
-                try:
-                    self._resync()
-                except BaseException as error:  # noqa: BLE001 - the waiting requests raise it
-                    stall.set_exception(error)
-                else:
-                    stall.set_result(None)
+                self.serve_stalled()
+
+    def serve_stalled(self) -> None:
+        """When a generation stalls with no server left to serve but restarted (stale) ones, re-sync them and let it
+        go on; call it on the driver's thread while waiting for a generation (`start_generation`'s too)."""
+        stall = self._stall
+        if stall is None or stall.done():
+            return
+        try:
+            self._resync()
+        except BaseException as error:  # noqa: BLE001 - the waiting requests raise it
+            stall.set_exception(error)
+        else:
+            stall.set_result(None)
 
     async def _checked(self, coroutine: Coroutine[Any, Any, T]) -> T:
         # Checks before and after: a server may have died while idle, and the router

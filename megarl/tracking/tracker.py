@@ -1,12 +1,15 @@
-"""Where step metrics go: JSON lines, TensorBoard event files, the console and optionally W&B.
+"""Where metrics go: JSON lines, TensorBoard event files, the console and optionally W&B.
 
 One `Tracker` per run. `log(step, metrics)` appends one JSON object per step to
-`metrics.jsonl` (flushed at once so a crash loses nothing already logged),
-writes scalars to TensorBoard, and advances a console progress bar that shows
-the step, the training score and the ETA. A run resumed from the checkpoint of
-step N (`resume_step=N`) first drops the records of later steps from
-`metrics.jsonl` and has TensorBoard purge them (its `purge_step`), so the redone
-steps appear once. Messages go to the console and to `logs/controller.log`.
+`metrics.jsonl` (flushed at once so a crash loses nothing already logged), writes
+scalars to TensorBoard, and shows the step on the console (`megarl.tracking.console`:
+a bar on a terminal, one line per step in a file). `log_sft(step, metrics)` does the
+same for the SFT warm-up's steps, into `sft_metrics.jsonl` and TensorBoard's `sft` run
+(`tensorboard/sft/`), so `metrics.jsonl` keeps one record per RL step and a resume's
+purge of later RL steps cannot hide warm-up points. A run resumed from the checkpoint of
+step N (`resume_step=N`) first drops the records of later steps from `metrics.jsonl`
+and has TensorBoard purge them (its `purge_step`), so the redone steps appear once.
+Messages go to the console and to `logs/controller.log`.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from megarl.tracking.console import progress_console
 from megarl.tracking.metrics_file import truncate_metrics
 
 logger = logging.getLogger(__name__)
-SCORE_KEY = "critic/score/mean"
-VAL_KEY = "val/score/mean"
+SFT_METRICS = "sft_metrics.jsonl"
 
 
 @contextmanager
@@ -79,23 +82,9 @@ class Tracker:
             purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), **purge)
         self._wandb = wandb
-        self._progress = None
-        self._task = None
-        if console:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self._progress = Progress(
-                TextColumn("step {task.completed}/{task.total}"),
-                BarColumn(),
-                TextColumn("{task.fields[summary]}"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                transient=False,
-            )
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=total_steps, completed=resume_step or 0, summary="")
-        self._last_val: float | None = None
+        self._console = progress_console(total_steps, resume_step) if console else None
+        self._sft_jsonl = None
+        self._sft_tb = None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {key: _as_float(value) for key, value in metrics.items()}
@@ -110,36 +99,50 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log(step, clean)
         self.logged_steps.add(step)
-        if VAL_KEY in clean:
-            self._last_val = clean[VAL_KEY]
-        if self._progress is not None:
-            parts = []
-            if SCORE_KEY in clean:
-                parts.append(f"score {clean[SCORE_KEY]:.3f}")
-            if self._last_val is not None:
-                parts.append(f"val {self._last_val:.3f}")
-            if "timing_s/step" in clean:
-                parts.append(f"{clean['timing_s/step']:.2f}s/step")
-            self._progress.update(self._task, completed=step, summary="  ".join(parts))
+        if self._console is not None:
+            self._console.step(step, clean)
+
+    def log_sft(self, step: int, metrics: Mapping[str, float], *, limit: int, loss: float,
+                target: float | None) -> None:
+        """Warm-up step `step` of at most `limit`: its `sft/*` metrics to `sft_metrics.jsonl` and TensorBoard's
+        `sft` run; the console shows `loss` (what the stopping rule compares) against `target`."""
+        clean = {key: _as_float(value) for key, value in metrics.items()}
+        if self._jsonl is not None:
+            if self._sft_jsonl is None:  # a warm-up runs in fresh runs only: a new file
+                self._sft_jsonl = open(self.run_dir / SFT_METRICS, "w", encoding="utf-8")
+            self._sft_jsonl.write(json.dumps({"sft/step": step, "time": time.time(), **clean}, allow_nan=True) + "\n")
+            self._sft_jsonl.flush()
+        if self._tb is not None:
+            if self._sft_tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._sft_tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard" / "sft"))
+            for key, value in clean.items():
+                self._sft_tb.add_scalar(key, value, step)
+            self._sft_tb.flush()
+        if self._console is not None:
+            self._console.sft(step, limit, loss, target)
 
     def message(self, text: str) -> None:
-        """A line on the console above the progress bar (or plain print), also in the controller log."""
+        """A line on the console (above the progress bar, or plain print), also in the controller log."""
         logger.info(text)
-        if self._progress is not None:
-            self._progress.console.print(text)
+        if self._console is not None:
+            self._console.message(text)
         else:
             print(text, flush=True)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        if self._console is not None:
+            self._console.close()
+            self._console = None
+        for writer in (self._tb, self._sft_tb):
+            if writer is not None:
+                writer.close()
+        self._tb = self._sft_tb = None
         if self._wandb is not None:
             self._wandb.close()
             self._wandb = None
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
+        for handle in (self._jsonl, self._sft_jsonl):
+            if handle is not None:
+                handle.close()
+        self._jsonl = self._sft_jsonl = None

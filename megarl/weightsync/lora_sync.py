@@ -83,17 +83,25 @@ class AdapterSync:
             except RolloutError as error:
                 raise WeightSyncError(f"adapter-only sync of {name}: {error}") from error
         for old in sorted({self._held.get(url) for url in targets} - {None, name}):
-            holders = [url for url in targets if self._held.get(url) == old]
-            with RolloutClient(holders, api_key=api_key, timeout_s=settings.timeout_s) as client:
-                try:
-                    client.unload_lora_adapter(old)
-                except RolloutError as error:
-                    raise WeightSyncError(f"adapter-only sync: unloading {old}: {error}") from error
+            for url in (url for url in targets if self._held.get(url) == old):
+                self._unload(url, old, api_key=api_key, timeout_s=settings.timeout_s)
             if settings.transport == "disk":
                 shutil.rmtree(Path(settings.disk_dir) / old, ignore_errors=True)
         self._held.update({url: name for url in urls})
         num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return SyncStats(len(tensors), num_bytes, time.perf_counter() - started).metrics()
+
+    @staticmethod
+    def _unload(url: str, name: str, *, api_key: str | None, timeout_s: float) -> None:
+        """Unload `name` from the server at `url`; a server restarted at the same URL since it loaded `name` (the
+        fleet restarts a dead server on its port and syncs it with the others' next version) holds nothing."""
+        with RolloutClient([url], api_key=api_key, timeout_s=timeout_s) as client:
+            try:
+                client.unload_lora_adapter(name)
+            except RolloutError as error:
+                if error.status == 400 and f"LoRA with name {name} does not exist." in error.message:
+                    return  # SGLang's LoRAManager.unload_lora_adapter refusal of a name it does not hold
+                raise WeightSyncError(f"adapter-only sync: unloading {name}: {error}") from error
 
     def _forget_restarted(self, urls: list[str]) -> None:
         """A push to part of a known server set re-syncs restarted servers (the fleet re-syncs a restarted
