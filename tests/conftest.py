@@ -81,6 +81,24 @@ def warmed_quickstart(ray_session, tmp_path_factory) -> Path:
     return warm_up(recipe, root / "hf")
 
 
+@pytest.fixture(scope="session")
+def grpo_reference(ray_session, tmp_path_factory):
+    """The shortened GRPO quickstart (tests/_e2e.py), run once per session: the contract test checks it,
+    the resume test resumes its copy; its command lines are watched for its API key."""
+    import _e2e
+
+    return _e2e.reference_run("quickstart-grpo-cpu.yaml", _e2e.GRPO, tmp_path_factory.mktemp("grpo_reference"),
+                              watch=True)
+
+
+@pytest.fixture(scope="session")
+def ppo_reference(ray_session, tmp_path_factory):
+    """The shortened PPO quickstart with both KL options (tests/_e2e.py), run once per session."""
+    import _e2e
+
+    return _e2e.reference_run("quickstart-ppo-cpu.yaml", _e2e.PPO, tmp_path_factory.mktemp("ppo_reference"))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

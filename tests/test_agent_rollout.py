@@ -121,7 +121,10 @@ def test_rewards_turns_and_metrics(setup):
     assert torch.equal(batch["token_level_scores"], batch["env_scores"])
     rewarded = (batch["env_scores"] != 0).sum(-1)
     assert ((rewarded == torch.as_tensor(turns)) | (rewarded == torch.as_tensor(turns) - 1)).all()
-    assert torch.allclose(batch["env_scores"][batch["env_scores"] != 0], torch.tensor(-0.05))
+    # A right guess scores 1 on its turn: the untrained model's guesses are sampled, so one may hit the secret.
+    scores = batch["env_scores"][batch["env_scores"] != 0]
+    assert (torch.isclose(scores, torch.tensor(-0.05)) | (scores == 1.0)).all(), scores
+    assert torch.isclose(scores, torch.tensor(-0.05)).any()
     span = batch["attention_mask"][:, batch["prompts"].shape[1]:].float()
     share = 1 - (batch["response_mask"] * span).sum() / span.sum()
     assert metrics["multi_turn/tool_token_share"] == pytest.approx(float(share)) and 0 < share < 1

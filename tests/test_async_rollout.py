@@ -148,3 +148,28 @@ def test_a_failed_generation_stops_the_waiting_trainer() -> None:
     ahead.admit_until(0)
     with pytest.raises(RuntimeError, match="no rollout server is serving"):
         ahead.take(version=0, stop_requested=lambda: False)
+
+
+def test_a_stop_request_ends_the_wait_and_the_checkpoint_keeps_the_untrained_groups() -> None:
+    """SIGTERM while the trainer waits: the wait ends (GenerationInterrupted, which abandons the step), and the
+    state a checkpoint writes then regenerates everything not trained."""
+    from megarl.rollout import GenerationInterrupted
+
+    fleet, loader = FakeFleet(3, slow=5.0), FakeLoader()
+    fleet.random = random.Random(0)
+    ahead = _ahead(fleet, loader, k=1, steps=4)
+    (trained,), _ = _run(ahead, fleet, range(1), k=1)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    started = time.perf_counter()
+    with pytest.raises(GenerationInterrupted):
+        for _ in range(3):  # the slow groups keep the buffer short of a batch until the stop
+            ahead.take(version=1, stop_requested=stop.is_set)
+    assert time.perf_counter() - started < 3.0
+    state = ahead.state()
+    first = state["next_batch"]
+    assert first <= 1 and state["loader"] == {"position": first * BATCH}
+    recorded = {f"b{b}-p{p}" for b in range(first) for p in range(BATCH)}
+    recorded |= {f"b{b}-p{p}" for b, rows in state["trained"].items() for p in rows}
+    assert recorded == set(trained)  # the checkpoint names exactly what was trained; the rest is regenerated
+    ahead.close()

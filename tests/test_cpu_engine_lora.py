@@ -19,7 +19,6 @@ import torch
 from _http import call
 from _tiny import greedy_continuation
 from megarl.rollout.cpu_engine.__main__ import parse_args
-from megarl.rollout.server import start_cpu_engine
 from megarl.rollout.weight_wire import entries_for_tp_ranks, tensor_checksum
 
 pytestmark = pytest.mark.dist
@@ -43,7 +42,7 @@ def _adapted(model, *, rank: int, targets: list[str], seed: int):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, cpu_engine):
     root = tmp_path_factory.mktemp("cpu-engine-lora")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -55,12 +54,9 @@ def setup(tmp_path_factory):
     adapted.save_pretrained(root / "adapter")
     too_wide = _adapted(model, rank=16, targets=["q_proj"], seed=2)
     too_wide.save_pretrained(root / "rank16")
-    server = start_cpu_engine(root / "base", enable_lora=True, max_lora_rank=8, lora_target_modules=["all"],
-                              log_path=root / "server.log")
-    try:
-        yield {"root": root, "model": model, "adapted": adapted, "url": server.url}
-    finally:
-        server.stop()
+    server = cpu_engine(root / "base", enable_lora=True, max_lora_rank=8, lora_target_modules=["all"],
+                        log_path=root / "server.log")
+    return {"root": root, "model": model, "adapted": adapted, "url": server.url}
 
 
 def _generate(url: str, prompts: list[list[int]], lora_path, *, logprobs: bool = False):

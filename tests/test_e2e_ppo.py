@@ -1,7 +1,8 @@
 """End to end: `megarl train` on the PPO quickstart (GAE + critic), shortened, on the session's Ray cluster.
 
 Checks the contract of a PPO run with both KL options on (KL in the reward with the
-adaptive controller, and KL in the actor loss): every phase timer incl. `values`,
+adaptive controller, and KL in the actor loss), on the session's shortened PPO run
+(tests/_e2e.py, which test_e2e_resume also resumes): every phase timer incl. `values`,
 `update_critic` and `ref`, the critic and KL metrics, the critic warm-up freezing the
 actor, the controller's coefficient update; and that PPO improves the training score.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from _e2e import PPO_KL
 import pytest
 
 from megarl.config import load_recipe
@@ -41,21 +43,12 @@ def _run(tmp_path: Path, name: str, *overrides: str) -> list[dict]:
 
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_ppo_with_both_kl_options_logs_the_contract(ray_session, tmp_path):
-    horizon, target, coef = 2000, 0.05, 0.01
-    records = _run(
-        tmp_path, "ppo-kl",
-        "trainer.total_steps=3", "trainer.val_every=0", "sft_warmup.steps=20", "data.train_batch_size=16",
-        "critic.warmup_steps=1", "critic.ppo_mini_batch_size=32", "actor.ppo_mini_batch_size=32",
-        "critic.ppo_micro_batch_size=16", "actor.ppo_micro_batch_size=16",
-        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", f"algorithm.kl_ctrl.kl_coef={coef}",
-        f"algorithm.kl_ctrl.target_kl={target}", f"algorithm.kl_ctrl.horizon={horizon}",
-        "actor.use_kl_loss=true",
-        # 20 warm-up steps leave the score (and so the advantages) at 0: the entropy bonus still moves the actor.
-        "actor.entropy_coeff=0.01",
-    )
-    steps = [record for record in records if "timing_s/step" in record]
-    assert [record["step"] for record in steps] == [1, 2, 3]
+def test_ppo_with_both_kl_options_logs_the_contract(ppo_reference):
+    # The session's shortened PPO run (tests/_e2e.py). Its short warm-up leaves the score (and so the
+    # advantages) near 0: the entropy bonus still moves the actor.
+    horizon, target, coef = PPO_KL["horizon"], PPO_KL["target"], PPO_KL["coef"]
+    steps = [record for record in ppo_reference.records() if "timing_s/step" in record]
+    assert [record["step"] for record in steps] == [1, 2, 3, 4]
     for record in steps[1:]:
         missing = [f"timing_s/{key}" for key in TIMING_KEYS if f"timing_s/{key}" not in record]
         missing += [key for key in METRIC_KEYS + ACTOR_UPDATE_KEYS if key not in record]

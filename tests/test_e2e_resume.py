@@ -1,14 +1,16 @@
 """End to end: exact resume (GRPO and PPO), resume into another layout, metrics and TensorBoard after a resume.
 
-A run of 2N steps (N = 2, a checkpoint every N steps) is the reference. Its run
-directory is copied without the newest checkpoint, so the copy holds the checkpoint
-of step N and the metrics of all 2N steps; `train` on the copy resumes from step N,
-drops the records of steps N+1..2N and runs them again. Every per-step metric must
-equal the reference's bit for bit, apart from timings (wall clock) and the rollout
-engine's log-probs, whose last bits depend on how requests were batched inside the
-engine (see test_e2e_quickstart). Any state the checkpoint missed (loader position,
-KL controller, sampling seeds, optimizer, LR schedule, update counter, reference
-weights, weight version) changes the sampled tokens or the update and shows up here.
+The session's shortened runs (tests/_e2e.py: 2N steps, N = 2, a checkpoint after every
+step) are the references. A run directory is copied without the checkpoints after step
+N, so the copy holds the checkpoint of step N and the metrics of all 2N steps; `train`
+on the copy resumes from step N, drops the records of steps N+1..2N and runs them
+again, here without the sleep/wake cycle (`placement.offload=false`). Every per-step
+metric must equal the reference's bit for bit, apart from timings (wall clock) and the
+rollout engine's log-probs, whose last bits depend on how requests were batched inside
+the engine. Any state the checkpoint missed (loader position, KL controller, sampling
+seeds, optimizer, LR schedule, update counter, reference weights, weight version)
+changes the sampled tokens or the update and shows up here; so would the sleep/wake
+cycle changing a single sampled token, score or update.
 """
 
 from __future__ import annotations
@@ -18,35 +20,19 @@ import math
 import shutil
 from pathlib import Path
 
+from _e2e import records
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megarl.config import load_recipe
 from megarl.controller.checkpointing import MARKER
-from megarl.controller.run import train
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-N = 2
-# Small and fast: a short warm-up leaves the score near 0, so the entropy bonus makes sure every update
-# moves the actor (and with it the next step's samples).
-TINY = ["trainer.logging.console=false", "sft_warmup.steps=5", "sft_warmup.batch_size=32", "data.synthetic.num_val=16",
-        "trainer.val_every=2", "actor.entropy_coeff=0.01", f"trainer.checkpoint.save_every={N}",
-        "trainer.checkpoint.keep_last=0", "trainer.samples.train_rows=2", "trainer.samples.val_rows=4"]
+N = 2  # the step resumed from: half of the references' steps
 VOLATILE = ("timing_s/", "perf/", "time", "weight_sync/", "rollout/logprob_diff")
-
-
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+CYCLE = ("timing_s/onload", "timing_s/offload")
 
 
 def _stable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in record.items() if not k.startswith(VOLATILE)} for record in records]
-
-
-def _train(recipe_file: str, output_dir: Path, name: str, *overrides: str) -> Path:
-    recipe = load_recipe(RECIPES / recipe_file, [f"trainer.output_dir={output_dir}", f"name={name}", *TINY,
-                                                 *overrides])
-    return train(recipe)
 
 
 def _copy_at_step(run_dir: Path, target: Path, step: int) -> Path:
@@ -74,23 +60,26 @@ def _tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(event.step, event.value) for event in accumulator.Scalars(tag)]
 
 
+def _resume_without_the_cycle(reference, tmp_path: Path) -> list[dict]:
+    """The reference's copy at step N resumed to its end without the sleep/wake cycle: its records."""
+    resumed_dir = _copy_at_step(reference.run_dir, tmp_path / "resumed", N)
+    assert [r["step"] for r in records(resumed_dir)] == [0, 1, 2, 3, 4]  # the steps after the checkpoint are in
+    assert reference.train(tmp_path, "resumed", "placement.offload=false") == resumed_dir
+    resumed = records(resumed_dir)
+    assert all(key in r for r in reference.records() if r["step"] > N and "timing_s/step" in r for key in CYCLE)
+    assert not any(key in r for r in resumed if r["step"] > N for key in CYCLE)
+    return resumed
+
+
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.slow
-def test_grpo_resume_is_exact_and_continues_metrics_tensorboard_and_other_layouts(ray_session, tmp_path):
-    # KL in the loss makes the reference role (and its checkpoint) part of the run.
-    extra = ["data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16",
-             "actor.ppo_micro_batch_size=16", "actor.use_kl_loss=true"]
-    reference_dir = _train("quickstart-grpo-cpu.yaml", tmp_path, "full", f"trainer.total_steps={2 * N}", *extra)
-    reference = _records(reference_dir)
+def test_grpo_resume_is_exact_and_continues_metrics_tensorboard_and_other_layouts(grpo_reference, tmp_path):
+    reference = grpo_reference.records()
     assert [r["step"] for r in reference] == [0, 1, 2, 3, 4] and reference[3]["actor/grad_norm"] > 0.0
-
-    resumed_dir = _copy_at_step(reference_dir, tmp_path / "resumed", N)
-    assert [r["step"] for r in _records(resumed_dir)] == [0, 1, 2, 3, 4]  # the steps after the checkpoint are in
-    train(load_recipe(RECIPES / "quickstart-grpo-cpu.yaml", [f"trainer.output_dir={tmp_path}", "name=resumed",
-                                                             *TINY, f"trainer.total_steps={2 * N}", *extra]))
-    resumed = _records(resumed_dir)
+    resumed = _resume_without_the_cycle(grpo_reference, tmp_path)
     _assert_same_steps(resumed, reference)
+    resumed_dir = tmp_path / "resumed"
     marker = json.loads((resumed_dir / "checkpoints" / "step_4" / MARKER).read_text())
     assert marker["roles"] == ["actor", "reference"] and marker["step"] == 4
     # TensorBoard, read by its own reader: the redone steps once each, with the redone values.
@@ -107,11 +96,10 @@ def test_grpo_resume_is_exact_and_continues_metrics_tensorboard_and_other_layout
     # by the float noise of the TP2 matmuls (summation order: ~1e-6 relative in float32).
     layout_dir = tmp_path / "tp2"
     (layout_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(reference_dir / "checkpoints" / f"step_{N}", layout_dir / "checkpoints" / f"step_{N}")
-    train(load_recipe(RECIPES / "quickstart-grpo-cpu.yaml", [
-        f"trainer.output_dir={tmp_path}", "name=tp2", *TINY, f"trainer.total_steps={N + 1}", *extra,
-        "placement.gpus_per_node=2", "rollout.num_servers=2", "actor.parallel.tp=2", "reference.parallel.tp=2"]))
-    (step,) = [r for r in _records(layout_dir) if r["step"] == N + 1]
+    shutil.copytree(grpo_reference.run_dir / "checkpoints" / f"step_{N}", layout_dir / "checkpoints" / f"step_{N}")
+    grpo_reference.train(tmp_path, "tp2", f"trainer.total_steps={N + 1}", "placement.gpus_per_node=2",
+                         "rollout.num_servers=2", "actor.parallel.tp=2", "reference.parallel.tp=2")
+    (step,) = [r for r in records(layout_dir) if r["step"] == N + 1]
     (same,) = [r for r in reference if r["step"] == N + 1]
     for key in ("critic/score/mean", "response_length/mean", "actor/lr", "train/epoch"):
         assert step[key] == same[key], key
@@ -124,19 +112,11 @@ def test_grpo_resume_is_exact_and_continues_metrics_tensorboard_and_other_layout
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.slow
-def test_ppo_resume_is_exact_with_critic_and_adaptive_kl(ray_session, tmp_path):
+def test_ppo_resume_is_exact_with_critic_and_adaptive_kl(ppo_reference, tmp_path):
     # The critic warm-up spans the checkpoint's step, the adaptive KL coefficient moves every step.
-    extra = ["data.train_batch_size=16", "critic.warmup_steps=1", "critic.ppo_mini_batch_size=32",
-             "actor.ppo_mini_batch_size=32", "critic.ppo_micro_batch_size=16", "actor.ppo_micro_batch_size=16",
-             "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=100"]
-    reference_dir = _train("quickstart-ppo-cpu.yaml", tmp_path, "full", f"trainer.total_steps={2 * N}", *extra)
-    reference = _records(reference_dir)
+    reference = ppo_reference.records()
     coefficients = [r["actor/reward_kl_penalty_coeff"] for r in reference if r["step"] > 0]
     assert len(set(coefficients)) == len(coefficients)  # the controller's state changes every step
-
-    resumed_dir = _copy_at_step(reference_dir, tmp_path / "resumed", N)
-    train(load_recipe(RECIPES / "quickstart-ppo-cpu.yaml", [f"trainer.output_dir={tmp_path}", "name=resumed",
-                                                            *TINY, f"trainer.total_steps={2 * N}", *extra]))
-    _assert_same_steps(_records(resumed_dir), reference)
-    assert json.loads((resumed_dir / "checkpoints" / "step_4" / MARKER).read_text())["roles"] == [
+    _assert_same_steps(_resume_without_the_cycle(ppo_reference, tmp_path), reference)
+    assert json.loads((tmp_path / "resumed" / "checkpoints" / "step_4" / MARKER).read_text())["roles"] == [
         "actor", "critic", "reference"]

@@ -21,7 +21,6 @@ from _engine_spawn import run_spawned
 from _weightsync_ranks import API_KEY, ARCH, CONFIG, local_shards, reference_digests, server_digests
 from _weightsync_ranks import trainer_weights
 from megarl.rollout.client import RolloutClient
-from megarl.rollout.server import start_cpu_engine
 from megarl.weightsync import RankCoords, SyncGroups, TrainerLayout, WeightSyncer, build_plan, make_transport
 
 BUCKET_BYTES = 40_000
@@ -68,15 +67,13 @@ def tp2_rank(*, rank: int, world_size: int, port: int, url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, cpu_engine):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("sync-buffers")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(root / "model")
-    handle = start_cpu_engine(root / "model", api_key=API_KEY, log_path=root / "server.log")
-    yield handle
-    handle.stop()
+    return cpu_engine(root / "model", api_key=API_KEY, log_path=root / "server.log")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from _weightsync_ranks import API_KEY, MOE_CONFIG, moe_rank, moe_weights, refere
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megarl.ports import free_port
-from megarl.rollout.server import start_cpu_engine
 from megarl.rollout.weight_wire import new_update_group
 
 pytestmark = pytest.mark.dist
@@ -32,19 +31,12 @@ GROUP_TIMEOUT_S = 10  # the servers' join/receive timeout: ends the crossed join
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(tmp_path_factory, cpu_engine):
     root = tmp_path_factory.mktemp("moe")
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**MOE_CONFIG)).save_pretrained(root / "model")
-    handles = []
-    try:
-        for index in range(2):
-            handles.append(start_cpu_engine(root / "model", api_key=API_KEY, log_path=root / f"server{index}.log",
-                                            weight_update_group_timeout_s=GROUP_TIMEOUT_S))
-        yield handles
-    finally:
-        for handle in handles:
-            handle.stop()
+    return [cpu_engine(root / "model", api_key=API_KEY, log_path=root / f"server{index}.log",
+                       weight_update_group_timeout_s=GROUP_TIMEOUT_S) for index in range(2)]
 
 
 def call(url: str, path: str, body=None, *, method: str | None = None) -> tuple[int, dict]:

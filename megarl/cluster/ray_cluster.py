@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -144,25 +143,23 @@ def start_own_head(cleanup: ExitStack, *, num_cpus: int) -> str:
     return temp_dir
 
 
-def _join_when_ready(port: int, process: subprocess.Popen, log: Path) -> None:
-    """Join the head on loopback `port` once its node has registered (its port answers before that)."""
-    import ray
+# What `ray start` prints once its node has registered with the GCS (ray/scripts/scripts.py, both roles).
+_HEAD_STARTED = "Ray runtime started."
 
+
+def _join_when_ready(port: int, process: subprocess.Popen, log: Path) -> None:
+    """Join the head on loopback `port` once `ray start` says its node registered.
+
+    Not before: the GCS port answers a minute earlier on a busy machine, and a driver that joins then waits
+    out Ray's own connect timeout, after which neither that attempt nor a retry in this process joined."""
     deadline = time.monotonic() + HEAD_START_TIMEOUT_S
-    while True:
+    while _HEAD_STARTED not in log.read_text(errors="replace"):
         if process.poll() is not None:
             raise _head_failed(process, log, f"exited with status {process.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                pass
-            connect_ray(f"127.0.0.1:{port}")
-            return
-        except (OSError, RuntimeError) as error:  # ConnectionError is an OSError; "no node info" a RuntimeError
-            ray.shutdown()
-            if time.monotonic() > deadline:
-                raise _head_failed(process, log, f"could not be joined within {HEAD_START_TIMEOUT_S:.0f} s: "
-                                                 f"{error}") from None
-            time.sleep(0.5)
+        if time.monotonic() > deadline:
+            raise _head_failed(process, log, f"did not start within {HEAD_START_TIMEOUT_S:.0f} s")
+        time.sleep(0.5)
+    connect_ray(f"127.0.0.1:{port}")
 
 
 def _reap(process: subprocess.Popen) -> None:
