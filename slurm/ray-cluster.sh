@@ -124,6 +124,7 @@ megarl_node_signalled() {
 megarl_wait() {
     local pid=$1 watched
     while kill -0 "$pid" 2>/dev/null; do
+        megarl_handle_signals
         if [ -n "${MEGARL_TERM_AT:-}" ] && [ $((SECONDS - MEGARL_TERM_AT)) -ge "$MEGARL_TERM_GRACE_S" ]; then
             megarl_log "pid $pid still running ${MEGARL_TERM_GRACE_S}s after SIGTERM: SIGKILL"
             kill -KILL "$pid" 2>/dev/null
@@ -206,9 +207,28 @@ megarl_signal_driver() {
     kill -TERM "$MEGARL_DRIVER_PID" 2>/dev/null
 }
 
+# Trap handlers only note the signal; megarl_wait's loop acts on it between commands. A handler that
+# logs parses a command substitution, and bash 5.2 loses its place in one it is parsing when another
+# signal's handler runs meanwhile ("unexpected EOF while looking for matching `)'"): a preemption
+# brings several signals at once (every node's notice, Slurm's own SIGTERM).
 # SIGTERM (Slurm's time-limit warning, `megarl submit --cancel`, a shell's job control) or SIGINT.
 megarl_on_term() {
-    megarl_forward_stop SIGTERM
+    MEGARL_STOP_REQUESTED=1
+    MEGARL_PENDING_TERM=1
+}
+
+# Act on the signals the handlers noted.
+megarl_handle_signals() {
+    if [ -n "${MEGARL_PENDING_TERM:-}" ]; then
+        MEGARL_PENDING_TERM=
+        megarl_forward_stop SIGTERM
+    fi
+    megarl_handle_other_signals
+}
+
+# The signals only megarl.sbatch traps (the nodes' notice); it redefines this.
+megarl_handle_other_signals() {
+    return 0
 }
 
 # EXIT trap: stop the driver, any bring-up step, the workers, then the head; keep the exit status.
