@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_sync import hf_config, run_processes  # noqa: E402
+from weight_sync import add_model_args, hf_config, run_processes  # noqa: E402
 
 from megarl.config import load_recipe  # noqa: E402
 from megarl.config.layout import resolve_layout  # noqa: E402
@@ -100,11 +100,7 @@ def kv_cache_gib(*, device_gib: float, mem_fraction: float, server_weights_gib: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_args(parser, hidden=1024, layers=12, ffn=2816)
     parser.add_argument("--recipe", default=str(RECIPE), help="the recipe whose servers' KV cache is computed")
     parser.add_argument("--device-gib", type=float, default=140.0, help="device memory (an H200: about 140 GiB)")
     args = parser.parse_args()

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_sync import hf_config, run_processes, write_checkpoint  # noqa: E402
+from weight_sync import add_model_args, hf_config, run_processes, write_checkpoint  # noqa: E402
 
 from megarl.models import arch_from_hf, hf_param_shapes  # noqa: E402
 from megarl.ports import free_port  # noqa: E402
@@ -156,11 +156,7 @@ def load_rank(rank: int, port: int, config: dict, checkpoint: str, out: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--ffn", type=int, default=5632)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_args(parser, hidden=2048, layers=16, ffn=5632)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--baseline", default=None, help="an earlier run's --json output, shown side by side")
     parser.add_argument("--workdir", default=None, help="scratch dir (default: a temp dir, removed at the end)")

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loading_memory import _reset_peak_rss, _status_kib  # noqa: E402
-from weight_sync import hf_config, run_processes  # noqa: E402
+from weight_sync import add_model_args, hf_config, run_processes  # noqa: E402
 
 from megarl.ports import free_port  # noqa: E402
 
@@ -85,11 +85,7 @@ def save_rank(rank: int, port: int, config: dict, workdir: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_args(parser, hidden=1024, layers=12, ffn=2816)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"

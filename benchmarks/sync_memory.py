@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_sync import hf_config, run_processes, write_checkpoint  # noqa: E402
+from weight_sync import add_model_args, hf_config, run_processes, write_checkpoint  # noqa: E402
 
 from megarl.models import arch_from_hf  # noqa: E402
 from megarl.ports import free_port  # noqa: E402
@@ -97,11 +97,7 @@ def trainer_rank(rank: int, port: int, config: dict, url: str, syncs: int, bucke
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--ffn", type=int, default=2816)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_args(parser, hidden=1024, layers=12, ffn=2816)
     parser.add_argument("--bucket-mb", type=float, default=128)
     parser.add_argument("--syncs", type=int, default=3)
     parser.add_argument("--json", default=None, help="also write the figures to this file")

@@ -54,6 +54,15 @@ API_KEY = "bench"
 TP, PP = 2, 2
 
 
+def add_model_args(parser: argparse.ArgumentParser, *, hidden: int, layers: int, ffn: int) -> None:
+    """The Llama shape every benchmark built on `hf_config` takes from its command line."""
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--ffn", type=int, default=ffn)
+    parser.add_argument("--vocab", type=int, default=32000)
+
+
 def hf_config(args) -> dict:
     return {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": args.vocab,
@@ -153,11 +162,7 @@ def run_processes(target, args_per_rank: list[tuple], timeout_s: float) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--ffn", type=int, default=5632)
-    parser.add_argument("--vocab", type=int, default=32000)
+    add_model_args(parser, hidden=2048, layers=16, ffn=5632)
     parser.add_argument("--bucket-mb", type=float, default=256)
     parser.add_argument("--syncs", type=int, default=5)
     parser.add_argument("--transports", default="tensor,distributed,disk")
