@@ -3,10 +3,12 @@
 Two deaths are recognised in the errors Ray raises from a call on a worker:
 - Ray's memory monitor killed it (`ray.exceptions.OutOfMemoryError`, or an actor
   error carrying the monitor's text): the raylet's message gives the node's memory
-  ("was 22.90GB / 24.00GB (0.954)"), Ray's limit ("the memory usage threshold of
-  0.95", the `RAY_memory_usage_threshold` environment variable) and, per killed
-  worker, its task's name and "memory used=9.80GB" (older Ray) or "actual memory
-  used=..." (newer Ray). Whatever figure the message lacks is said to be unknown.
+  ("was 22.90GB / 24.00GB (0.954)"; Ray 2.60: "was 3.27GB used / 23.54GB limit
+  (0.139)"), Ray's limit, the `RAY_memory_usage_threshold` environment variable
+  ("the memory usage threshold of 0.95"; Ray 2.60: "exceeded threshold of ...B
+  (95.0% of ...B limit)") and, per killed worker, its task's name and "memory
+  used=9.80GB" (older Ray) or "actual memory used=..." (newer Ray). Whatever figure
+  the message lacks is said to be unknown.
 - It died of SIGKILL without a word (an actor error whose exit detail names
   SIGKILL or the OOM killer): almost always the kernel's out-of-memory killer,
   which leaves no figures; `dmesg` on the node confirms it.
@@ -27,13 +29,20 @@ MONITOR_TEXT = "running low on memory"  # both of Ray's formats: "Task was kille
 SIGKILL_TEXTS = ("SIGKILL", "OOM killer")
 
 _NUMBER = r"(\d+(?:\.\d+)?)"
-_NODE = re.compile(rf"was {_NUMBER}GB / {_NUMBER}GB \({_NUMBER}\)")
+# "was 27.71GB / 28.80GB (0.962273)" (older Ray), "was 3.27GB used / 23.54GB limit (0.138739)" (Ray 2.60).
+_NODE = re.compile(rf"was {_NUMBER}GB(?: used)? / {_NUMBER}GB(?: limit)? \({_NUMBER}\)")
+# "exceeds the memory usage threshold of 0.95" (older Ray); "OOM kill reason: Memory usage 3499044864B exceeded
+# threshold of 505521184B (2.0% of 25276059648B limit)" (Ray 2.60), which is the same limit, in percent.
 _THRESHOLD = re.compile(rf"memory usage threshold of {_NUMBER}")
+_THRESHOLD_PERCENT = re.compile(rf"exceeded threshold of \d+B \({_NUMBER}% of")
 _REASON = re.compile(r"OOM kill reason: ([^\n;]+)")
-# One killed (or considered) worker: "name=allocate_memory, pid=91085, memory used=24.99GB" (older Ray) or
-# "task name=MegatronWorker.update, required resources={CPU: 1}, pid=3471, actual memory used=2.85GB" (newer).
+# One killed (or considered) worker: "name=allocate_memory, pid=91085, memory used=24.99GB" (older Ray) or "task
+# name=megarl-actor-0:MegatronWorker.__init__, required resources={}, pid=3471, actual memory used=2.85GB" (newer:
+# an actor's task is its creation task, after the actor's name). Newer Ray lists every worker it considered, each
+# one it killed after "Selected to kill:".
 _WORKER = re.compile(rf"(?:name=(?P<name>[^\n]*?), (?:required resources=\{{[^}}]*\}}, )?)?pid=(?P<pid>\d+), "
                      rf"(?:actual )?memory used={_NUMBER}GB")
+_SELECTED = "Selected to kill:"
 
 # What bounds a role's memory in a recipe, by the name of its worker group (or "rollout server").
 ROLE_SETTINGS = {
@@ -58,7 +67,7 @@ class MemoryKill:
 
     by: str  # "ray" (its memory monitor) or "sigkill" (no word: the kernel's OOM killer, as a rule)
     worker_gb: float | None = None  # the killed worker's own memory
-    task: str | None = None  # the killed worker's task, e.g. "MegatronWorker.update"
+    task: str | None = None  # the killed worker's task, e.g. "megarl-actor-0:MegatronWorker.__init__"
     node_used_gb: float | None = None
     node_total_gb: float | None = None
     node_fraction: float | None = None
@@ -66,31 +75,40 @@ class MemoryKill:
     reason: str | None = None  # newer Ray: "user cgroup memory upper bound was met or exceeded", ...
 
 
-def parse_monitor_message(message: str, *, method: str | None = None) -> MemoryKill:
-    """The figures of a Ray memory-monitor message; the killed worker is the one running `method` when the
-    message lists several (newer Ray lists every worker it considered), else the first listed."""
-    node, threshold, reason = _NODE.search(message), _THRESHOLD.search(message), _REASON.search(message)
-    workers = [(match["name"], float(match[3])) for match in _WORKER.finditer(message)]
-    selected = message.find("Selected to kill")
-    if selected >= 0:  # newer Ray: the considered workers, the killed ones marked
-        workers = [(m["name"], float(m[3])) for m in _WORKER.finditer(message, selected)] or workers
-    own = [worker for worker in workers if method and worker[0] and worker[0].strip().endswith(method)]
-    name, worker_gb = (own or workers or [(None, None)])[0]
-    return MemoryKill(by="ray", worker_gb=worker_gb, task=name.strip() if name else None,
+def parse_monitor_message(message: str, *, names: tuple[str, ...] = ()) -> MemoryKill:
+    """The figures of a Ray memory-monitor message. Of the workers it killed, the one whose task name holds the
+    first of `names` that any holds (an actor's name, then the method called), else the first listed."""
+    node, reason = _NODE.search(message), _REASON.search(message)
+    threshold, percent = _THRESHOLD.search(message), _THRESHOLD_PERCENT.search(message)
+    chunks = message.split(_SELECTED)
+    if len(chunks) > 1:  # newer Ray: the first worker after each "Selected to kill:" is one it killed
+        found = [_WORKER.search(chunk) for chunk in chunks[1:]]
+    else:
+        found = list(_WORKER.finditer(message))
+    workers = [((match["name"] or "").strip(), float(match[3])) for match in found if match]
+    own = []
+    for name in names:
+        own = [worker for worker in workers if name in worker[0]]
+        if own:
+            break
+    task, worker_gb = (own or workers or [("", None)])[0]
+    return MemoryKill(by="ray", worker_gb=worker_gb, task=task or None,
                       node_used_gb=float(node[1]) if node else None, node_total_gb=float(node[2]) if node else None,
                       node_fraction=float(node[3]) if node else None,
-                      threshold=float(threshold[1]) if threshold else None,
-                      reason=reason[1].strip() if reason else None)
+                      threshold=float(threshold[1]) if threshold else float(percent[1]) / 100 if percent else None,
+                      # The threshold's own reason is said by the limit; any other (a cgroup's bound) is kept.
+                      reason=reason[1].strip() if reason and not percent else None)
 
 
-def memory_kill(error: BaseException, *, method: str | None = None) -> MemoryKill | None:
-    """The memory kill `error` (raised by `ray.get`) reports, or None for any other error."""
+def memory_kill(error: BaseException, *, names: tuple[str, ...] = ()) -> MemoryKill | None:
+    """The memory kill `error` (raised by `ray.get`) reports, or None for any other error; `names` pick the
+    worker of interest when Ray killed several (`parse_monitor_message`)."""
     import ray.exceptions
 
     text = str(error)
     if isinstance(error, ray.exceptions.OutOfMemoryError) or (
             isinstance(error, ray.exceptions.RayActorError) and MONITOR_TEXT in text):
-        return parse_monitor_message(text, method=method)
+        return parse_monitor_message(text, names=names)
     if isinstance(error, ray.exceptions.RayActorError) and any(word in text for word in SIGKILL_TEXTS):
         return MemoryKill(by="sigkill")
     return None

@@ -47,6 +47,25 @@ NEW_FORMAT = (
     "resources={CPU: 1}, pid=3310151, actual memory used=21.95GB, worker ID=34241048bfb59ac2)]\n"
     "To see more information about memory usage on this node, use `ray logs raylet.out -ip 10.0.50.112`"
 )
+# Ray 2.60, as its memory monitor killed an actor on this machine (RAY_memory_usage_threshold=0.02 for the
+# capture; the object store's figures and the list of the node's top memory users shortened).
+RAY_2_60 = (
+    "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2, ID: "
+    "8adc9316b99dada27dac0656999c85e68933ab05612c72446cd2dcae) was 3.27GB used / 23.54GB limit (0.138739)\n"
+    "OOM kill reason: Memory usage 3499044864B exceeded threshold of 505521184B (2.0% of 25276059648B limit)\n"
+    "Object store memory usage: [- objects spillable: 0\n- bytes spillable: 0\n\nEviction Stats:\n"
+    "(global lru) capacity: 6841701580\n(global lru) bytes evicted: 0]\n"
+    "Ray killed 1 worker(s) based on the killing policy\nConsidered workers: [\n"
+    "Selected to kill: (Task: job ID=01000000, lease ID=00000000ed0a370a1073768c19e8aae62fd4d7840c696d1637a3882cc"
+    "20c0305, task name=megarl-actor-0:MegatronWorker.__init__, required resources={}, pid=30001, actual memory "
+    "used=0.05GB, worker ID=8de70a23abc862aabbfce52887b27079b457a1fe59c7b1496d410066)\n]\n"
+    "Total non-selected idle workers: 1\nTotal non-selected idle workers USS bytes: 0.04GB\n"
+    "To see more information about memory usage on this node, use `ray logs raylet.out -ip 192.0.2.2`\n"
+    "Top 10 memory users: PID\tMEM(GB)\tCOMMAND\n29720\t0.07\tpython3 probe.py\n"
+    "Refer to the documentation on how to address the out of memory issue: https://docs.ray.io/en/latest/ray-"
+    "observability/user-guides/debug-apps/debug-memory.html. ... To adjust the kill threshold, set the environment "
+    "variable `RAY_memory_usage_threshold` when starting Ray."
+)
 # What Ray says of an actor whose process vanished (its exit detail; the kernel's OOM killer sends SIGKILL).
 SIGKILL_DETAIL = (
     "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
@@ -62,7 +81,7 @@ def _actor_died(detail: str) -> ActorDiedError:
 
 
 def test_the_older_message_gives_the_worker_the_node_and_the_limit():
-    kill = memory_kill(OutOfMemoryError(OLD_FORMAT), method="MegatronWorker.update")
+    kill = memory_kill(OutOfMemoryError(OLD_FORMAT), names=("MegatronWorker.update",))
     assert (kill.by, kill.task, kill.worker_gb) == ("ray", "MegatronWorker.update", 9.81)
     assert (kill.node_used_gb, kill.node_total_gb, kill.node_fraction, kill.threshold) == (27.71, 28.8, 0.962273, 0.95)
     line = str(RoleOutOfMemory(kill, role="actor", rank=1, method="MegatronWorker.update"))
@@ -72,14 +91,24 @@ def test_the_older_message_gives_the_worker_the_node_and_the_limit():
                     "actor.max_tokens_per_microbatch, or run on nodes with more memory")
 
 
+def test_the_message_of_ray_2_60_gives_the_limit_in_percent_and_the_actor_by_name():
+    kill = memory_kill(OutOfMemoryError(RAY_2_60), names=("megarl-actor-0:", "MegatronWorker.update"))
+    assert (kill.task, kill.worker_gb) == ("megarl-actor-0:MegatronWorker.__init__", 0.05)
+    assert (kill.node_used_gb, kill.node_total_gb, kill.node_fraction) == (3.27, 23.54, 0.138739)
+    assert kill.threshold == pytest.approx(0.02) and kill.reason is None  # the reason is the threshold's
+    assert str(RoleOutOfMemory(kill, role="actor", rank=0, method="MegatronWorker.update")).startswith(
+        "out of memory: Ray killed actor rank 0 (MegatronWorker.update) using 0.05 GB; the node held 3.27 of 23.54 "
+        "GB (0.14, over Ray's limit RAY_memory_usage_threshold=0.02); lower actor.ppo_micro_batch_size")
+
+
 def test_the_newer_message_gives_the_killed_worker_of_the_call_not_one_merely_considered():
     # MegatronWorker.update was considered but not selected: its 21.95 GB must not be reported.
-    kill = memory_kill(OutOfMemoryError(NEW_FORMAT), method="MegatronWorker.compute_log_prob")
+    kill = memory_kill(OutOfMemoryError(NEW_FORMAT), names=("megarl-critic-0:", "MegatronWorker.compute_log_prob"))
     assert (kill.task, kill.worker_gb) == ("MegatronWorker.compute_log_prob", 21.64)
     assert (kill.node_used_gb, kill.node_total_gb, kill.threshold) == (28.62, 30.0, 0.95)
     # A call whose task is not listed gets the first worker killed.
-    assert memory_kill(OutOfMemoryError(NEW_FORMAT), method="MegatronWorker.offload").worker_gb == 0.67
-    line = str(RoleOutOfMemory(memory_kill(OutOfMemoryError(NEW_FORMAT), method="ServerHost.exit_code"),
+    assert memory_kill(OutOfMemoryError(NEW_FORMAT), names=("MegatronWorker.offload",)).worker_gb == 0.67
+    line = str(RoleOutOfMemory(memory_kill(OutOfMemoryError(NEW_FORMAT), names=("ServerHost.exit_code",)),
                                role="rollout server", rank=2, method="ServerHost.exit_code"))
     assert line.startswith("out of memory: Ray killed rollout server 2 (ServerHost.exit_code) using 0.67 GB; the node "
                            "held 28.62 of 30.00 GB (0.95, over Ray's limit RAY_memory_usage_threshold=0.95); lower "
@@ -96,7 +125,7 @@ def test_missing_figures_are_said_to_be_unknown_and_a_cgroup_reason_is_given():
 
 
 def test_actor_deaths_are_told_apart():
-    monitor = memory_kill(_actor_died(OLD_FORMAT), method="MegatronWorker.update")  # the monitor's text in it
+    monitor = memory_kill(_actor_died(OLD_FORMAT), names=("MegatronWorker.update",))  # the monitor's text in it
     assert (monitor.by, monitor.worker_gb) == ("ray", 9.81)
     assert memory_kill(_actor_died(SIGKILL_DETAIL)).by == "sigkill"
     line = str(RoleOutOfMemory(memory_kill(_actor_died(SIGKILL_DETAIL)), role="reference", rank=3,
@@ -138,8 +167,21 @@ class _Pool:
         return {}
 
 
+# Ray 2.60's format with two actors of a group killed at once (its policy since 2.56 may kill several).
+TWO_KILLED = (
+    "2 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 10.0.0.1, ID: ab12) was "
+    "30.10GB used / 31.00GB limit (0.970968)\nOOM kill reason: Memory usage 32318226432B exceeded threshold of "
+    "31620000000B (95.0% of 33284210688B limit)\nRay killed 2 worker(s) based on the killing policy\n"
+    "Considered workers: [\nSelected to kill: (Task: job ID=01000000, lease ID=01, task name=megarl-critic-1:"
+    "MegatronWorker.__init__, required resources={CPU: 1}, pid=101, actual memory used=5.00GB, worker ID=aa)\n"
+    "Selected to kill: (Task: job ID=01000000, lease ID=02, task name=megarl-critic-2:MegatronWorker.__init__, "
+    "required resources={CPU: 1}, pid=102, actual memory used=7.25GB, worker ID=bb)\n]"
+)
+
+
 def test_a_group_names_its_role_and_the_rank_that_was_killed(monkeypatch):
-    """ray.get of all ranks raises the kill; the group finds the rank whose own result is that kill."""
+    """ray.get of all ranks raises the kill; the group finds the rank whose own result is that kill, and that
+    rank's own figure in Ray's list (by the actor's name)."""
     import ray
 
     class _Remote:
@@ -150,11 +192,11 @@ def test_a_group_names_its_role_and_the_rank_that_was_killed(monkeypatch):
             return _Handle(rank)
 
     def get(refs, timeout=None):
-        if isinstance(refs, list):
-            raise OutOfMemoryError(OLD_FORMAT)
-        if refs == "update-2":
-            raise OutOfMemoryError(OLD_FORMAT)
-        raise GetTimeoutError("rank still in its collective")
+        if isinstance(refs, list) or refs == "update-2":
+            raise OutOfMemoryError(TWO_KILLED)
+        if refs == "update-1":
+            raise GetTimeoutError("rank still in its collective")
+        return None  # rank 0 returned
 
     monkeypatch.setattr(ray, "remote", lambda worker_cls: _Remote())
     monkeypatch.setattr(ray, "get", get)
@@ -163,6 +205,9 @@ def test_a_group_names_its_role_and_the_rank_that_was_killed(monkeypatch):
         group.run(_Worker.update)
     assert (raised.value.role, raised.value.rank, raised.value.method) == ("critic", 2, "_Worker.update")
     assert isinstance(raised.value.__cause__, OutOfMemoryError)
+    assert str(raised.value).startswith("out of memory: Ray killed critic rank 2 (_Worker.update) using 7.25 GB; the "
+                                        "node held 30.10 of 31.00 GB (0.97, over Ray's limit "
+                                        "RAY_memory_usage_threshold=0.95); lower critic.ppo_micro_batch_size")
     # Any other failure of a call is Ray's own error, unchanged.
     monkeypatch.setattr(ray, "get", lambda refs, timeout=None: (_ for _ in ()).throw(_actor_died("ray.kill")))
     with pytest.raises(ActorDiedError):
@@ -205,7 +250,7 @@ def _failing_run(first: RoleOutOfMemory):
                                            ("bench", "_cmd_bench"), ("warmup", "_cmd_warmup")])
 def test_the_cli_prints_one_line_and_exits_1(verb, command, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("MEGARL_VERBOSE", "0")  # --verbose below sets it; restored after the test
-    first = RoleOutOfMemory(memory_kill(OutOfMemoryError(OLD_FORMAT), method="MegatronWorker.update"), role="actor",
+    first = RoleOutOfMemory(memory_kill(OutOfMemoryError(OLD_FORMAT), names=("MegatronWorker.update",)), role="actor",
                             rank=1, method="MegatronWorker.update")
     monkeypatch.setattr(cli, command, _failing_run(first))
     argv = [verb, str(tmp_path / "recipe.yaml")] + (["--hf", str(tmp_path / "hf")] if verb == "warmup" else [])

@@ -50,7 +50,7 @@ class WorkerGroup:
         for rank in range(self.world_size):
             options: dict[str, Any] = {
                 **pool.actor_options(rank),
-                "name": f"megarl-{name}-{rank}",
+                "name": self._actor_name(rank),
                 "runtime_env": {"env_vars": dict(env or {})},
             }
             log = {"log_path": str(Path(log_dir) / f"{name}-{rank}.log")} if log_dir is not None else {}
@@ -89,17 +89,19 @@ class WorkerGroup:
         try:
             return ray.get(futures)
         except ray.exceptions.RayError as error:
-            method = f"{self.worker_cls.__name__}.{name}"
-            kill = memory_kill(error, method=method)
-            if kill is None:
+            if memory_kill(error) is None:
                 raise
-            # ray.get raises the first failure it sees; the killed rank is the one whose result is that failure.
-            ranks = ranks if ranks is not None else list(range(len(futures)))
-            raise RoleOutOfMemory(kill, role=self.name, rank=self._killed_rank(futures, ranks, method),
-                                  method=method) from error
+            method = f"{self.worker_cls.__name__}.{name}"
+            rank, own_error = self._killed_rank(futures, ranks if ranks is not None else list(range(len(futures))))
+            # Ray names an actor's task "<actor name>:<class>.__init__" (newer) or by the method (older).
+            names = ((f"{self._actor_name(rank)}:",) if rank is not None else ()) + (method,)
+            kill = memory_kill(own_error or error, names=names)
+            raise RoleOutOfMemory(kill, role=self.name, rank=rank, method=method) from error
 
     @staticmethod
-    def _killed_rank(futures: list, ranks: list[int], method: str) -> int | None:
+    def _killed_rank(futures: list, ranks: list[int]) -> tuple[int | None, BaseException | None]:
+        """The first rank whose own result is a memory kill, and that error: ray.get raised the first failure it
+        saw, whichever rank it was."""
         import ray
 
         for rank, future in zip(ranks, futures):
@@ -108,9 +110,12 @@ class WorkerGroup:
             except ray.exceptions.GetTimeoutError:
                 continue  # still running (a collective waiting for the dead rank)
             except ray.exceptions.RayError as error:
-                if memory_kill(error, method=method) is not None:
-                    return rank
-        return None
+                if memory_kill(error) is not None:
+                    return rank, error
+        return None, None
+
+    def _actor_name(self, rank: int) -> str:
+        return f"megarl-{self.name}-{rank}"
 
     def layout(self) -> list[dict]:
         """Per rank: `dp_rank`, `dp_size`, `is_output` (known after the engine is initialised)."""

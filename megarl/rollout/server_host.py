@@ -246,7 +246,7 @@ class RayHost:
         try:
             return ray.get(getattr(self._actor, name).remote(*args), timeout=timeout_s)
         except ray.exceptions.RayError as error:
-            kill = memory_kill(error, method=f"ServerHost.{name}")
+            kill = memory_kill(error, names=(f"ServerHost.{name}",))
             if kill is None:
                 raise
             raise RoleOutOfMemory(kill, role="rollout server", rank=self.index, method=f"ServerHost.{name}") from error
