@@ -100,3 +100,22 @@ def test_a_custom_device_is_planned_on_its_figures(capsys):
                  "--json"]) in (0, 1)
     settings = json.loads(capsys.readouterr().out)["settings"]["gpu"]
     assert (settings["name"], settings["memory_gib"], settings["tflops"]) == ("custom", 48.0, 300.0)
+
+
+@pytest.mark.parametrize("recipe_path", [GRPO_8B, PPO_8B])
+def test_submit_refuses_gpus_too_small_for_a_production_recipe(tmp_path, monkeypatch, capsys, recipe_path):
+    """2 x 8 A100-40GB are too small for the Qwen3-8B recipes (the actor's rank needs ~42 GiB): submit refuses with
+    the plan's reason before writing anything; --force renders the job anyway, and the dry run shows the plan."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["submit", str(recipe_path), "--nodes", "2", "--gpu", "a100-40gb", "--dry-run",
+            "--set", f"trainer.output_dir={tmp_path / 'runs'}"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "## memory per GPU" in captured.err
+    refusal = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert refusal[0].startswith("error: plan: train:actor: ") and refusal[0].endswith("(--force submits anyway)")
+    assert "exceeds the 39.4 GiB of a a100-40gb by" in refusal[0] and captured.out == ""
+    assert not (tmp_path / "runs").exists()
+    assert main(argv + ["--force"]) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash")
+    assert main(argv[:5] + ["h100-80gb"] + argv[6:]) == 0  # the same recipe on H100s fits
