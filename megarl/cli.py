@@ -183,6 +183,12 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megarl.plan.command import run
+
+    return run(args)
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
     from megarl.submit.command import run
 
@@ -279,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
     preprocess.add_argument("--output", type=Path, required=True, help="directory for train.parquet/test.parquet")
     preprocess.add_argument("--seed", type=int, default=0, help="seed for generated (arithmetic) data")
     preprocess.set_defaults(run=_cmd_preprocess)
+
+    from megarl.plan.command import add_arguments as add_plan_arguments
+
+    plan = verbs.add_parser("plan", help="will a recipe fit, and how fast will it run: memory per GPU of every role, "
+                            "the KV cache, phase peaks, step times and a verdict, from the model's config.json alone "
+                            "(exit 1 when it does not fit)")
+    add_plan_arguments(plan)
+    plan.set_defaults(run=_cmd_plan)
 
     from megarl.submit.command import add_arguments as add_submit_arguments
 

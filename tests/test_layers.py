@@ -171,3 +171,16 @@ def test_the_sandbox_worker_stays_light():
             "print(sorted(m for m in ('torch', 'numpy', 'pydantic', 'ray', 'aiohttp') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_the_plan_runs_where_only_a_recipe_and_config_json_are():
+    """`megarl plan` reads a recipe and a config.json on a laptop: it imports no megatron, Ray, SGLang or
+    transformers (and no engine, fleet or cluster module that would)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megarl.plan.command, megarl.plan.plan, megarl.plan.report; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', 'sglang', 'transformers')"
+            " or m.startswith(('megarl.engines', 'megarl.rollout', 'megarl.cluster', 'megarl.controller'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
