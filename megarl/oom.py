@@ -10,8 +10,9 @@ Two deaths are recognised in the errors Ray raises from a call on a worker:
   used=9.80GB" (older Ray) or "actual memory used=..." (newer Ray). Whatever figure
   the message lacks is said to be unknown.
 - It died of SIGKILL without a word (an actor error whose exit detail names
-  SIGKILL or the OOM killer): almost always the kernel's out-of-memory killer,
-  which leaves no figures; `dmesg` on the node confirms it.
+  SIGKILL or the OOM killer; a rollout server's process that exited by SIGKILL):
+  almost always the kernel's out-of-memory killer, which leaves no figures;
+  `dmesg` on the node confirms it.
 
 The caller that knows the role (a worker group, a rollout server's host) turns such
 an error into `RoleOutOfMemory`, whose text is the line; the CLI finds it anywhere
@@ -126,7 +127,7 @@ def describe(kill: MemoryKill, *, role: str, rank: int | None, method: str | Non
     settings = f"{ROLE_SETTINGS.get(role, 'lower its micro-batch size')}, {NODE_SETTINGS}"
     if kill.by == "sigkill":
         return (f"out of memory: {who}{doing} was killed by SIGKILL, as a rule the kernel's out-of-memory killer "
-                f"(`dmesg` on its node tells); Ray gives no memory figures for it; {settings}")
+                f"(`dmesg` on its node tells); no memory figures are known; {settings}")
     node = "the node's memory use unknown"
     if kill.node_used_gb is not None and kill.node_total_gb is not None:
         node = f"the node held {kill.node_used_gb:.2f} of {kill.node_total_gb:.2f} GB"

@@ -23,6 +23,7 @@ import torch
 
 from megarl.data.padding import left_pad, position_ids_from_mask
 from megarl.errors import InputError
+from megarl.oom import find_role_oom
 from megarl.protocol import Batch
 from megarl.rollout import FleetError, RolloutClient, RolloutFleet, ServerSpec, ServerStartError
 from megarl.rollout.batching import prompt_groups, prompt_token_lists, rollout_batch
@@ -448,6 +449,8 @@ def test_error_names_every_server_when_all_are_dead(models, tmp_path):
     for server in servers:
         assert f"server {server['index']} at {server['url']}: dead" in message
     assert "rollout server" in message  # each server's log tail
+    # Killed by SIGKILL while serving, as the kernel's OOM killer does: the CLI's one line names the first server.
+    assert str(find_role_oom(error.value)).startswith("out of memory: rollout server 0 was killed by SIGKILL")
 
 
 def test_prompt_groups_are_runs_of_one_prompt_and_rows_keep_their_columns():

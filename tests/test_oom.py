@@ -131,8 +131,8 @@ def test_actor_deaths_are_told_apart():
     line = str(RoleOutOfMemory(memory_kill(_actor_died(SIGKILL_DETAIL)), role="reference", rank=3,
                                method="MegatronWorker.compute_log_prob"))
     assert line.startswith("out of memory: reference rank 3 (MegatronWorker.compute_log_prob) was killed by SIGKILL, "
-                           "as a rule the kernel's out-of-memory killer (`dmesg` on its node tells); Ray gives no "
-                           "memory figures for it; lower actor.logprob_micro_batch_size")
+                           "as a rule the kernel's out-of-memory killer (`dmesg` on its node tells); no memory "
+                           "figures are known; lower actor.logprob_micro_batch_size")
     assert memory_kill(_actor_died("The actor was killed by `ray.kill`.")) is None
     assert memory_kill(RayTaskError("update", "Traceback ...", ValueError("bad"))) is None
     assert memory_kill(ValueError("SIGKILL")) is None  # megarl's own errors are never taken for one
@@ -222,14 +222,33 @@ def test_a_rollout_host_names_its_server_and_the_fleet_error_carries_the_kill(mo
         RayHost(_Handle(0), 1).call(ServerHost.exit_code)
     assert str(raised.value).startswith("out of memory: rollout server 1 (ServerHost.exit_code) was killed by SIGKILL")
 
-    # The fleet, once no server is left, fails with its list of deaths, caused by the first memory kill.
+    # A retired server remembers the kill; once no server is left, the fleet's error is caused by it.
+    retired = FleetMember(1, RayHost(_Handle(0), 1), state=DEAD, failure="found dead")
+    retired.note_death()
+
     class _Fleet:
-        _servers = [FleetMember(0, None, state=DEAD, failure="found dead"),
-                    FleetMember(1, None, state=DEAD, failure=str(raised.value), killed=raised.value)]
+        _servers = [FleetMember(0, None, state=DEAD, failure="found dead"), retired]
 
     error = RolloutFleet._no_server_left(_Fleet())
-    assert "server 1 at : dead; out of memory: rollout server 1" in str(error)
-    assert find_role_oom(error) is raised.value
+    assert "server 1 at : dead; found dead" in str(error)
+    assert str(find_role_oom(error)).startswith("out of memory: rollout server 1 (ServerHost.exit_code) was killed")
+
+
+def test_a_server_process_gone_by_sigkill_is_a_memory_kill_and_one_that_exited_is_not():
+    class _ExitedHost:
+        def __init__(self, code: int):
+            self.code = code
+
+        def call(self, method, *args):
+            assert method is ServerHost.exit_code
+            return self.code
+
+    killed, failed = FleetMember(4, _ExitedHost(-signal.SIGKILL)), FleetMember(5, _ExitedHost(1))
+    for server in (killed, failed):
+        assert not server.alive()
+        server.note_death()
+    assert str(killed.killed).startswith("out of memory: rollout server 4 was killed by SIGKILL")
+    assert failed.killed is None
 
 
 def _failing_run(first: RoleOutOfMemory):

@@ -504,6 +504,7 @@ class RolloutFleet:
             server.state = DEAD
             tail = await asyncio.to_thread(server.log_tail)
             server.failure = f"{reason}; not restarted again after {server.restarts} restarts; log tail:\n{tail}"
+            await asyncio.to_thread(server.note_death)
             self._notify()
             return
         server.state = RESTARTING

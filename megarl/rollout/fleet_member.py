@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.oom import RoleOutOfMemory, find_role_oom
+from megarl.oom import MemoryKill, RoleOutOfMemory, find_role_oom
 from megarl.rollout.server import ServerStartError, wait_healthy
 from megarl.rollout.server_host import ServerHost
 
@@ -75,9 +77,23 @@ class FleetMember:
                 return False
             self.model_info(self.api_key)
             return True
-        except Exception as error:  # noqa: BLE001 - unreachable, timed out, or its actor is gone: all mean dead
-            self.killed = find_role_oom(error) or self.killed
+        except Exception:  # noqa: BLE001 - unreachable, timed out, or its actor is gone: all mean dead
             return False
+
+    def note_death(self, *, settle_s: float = 2.0) -> None:
+        """Once the fleet retires this server: remember in `killed` whether memory killed it, its host actor
+        (Ray's memory monitor) or its process by SIGKILL. megarl stops a server only through a restart or the
+        fleet's end, never while it serves, so such a SIGKILL came from elsewhere: as a rule the kernel's
+        out-of-memory killer. A process that closed its sockets may take a moment more to exit: `settle_s`."""
+        deadline = time.monotonic() + settle_s
+        try:
+            while (code := self.host.call(ServerHost.exit_code)) is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception as error:  # noqa: BLE001 - its host is gone: for memory (kept) or otherwise
+            self.killed = find_role_oom(error) or self.killed
+            return
+        if code == -signal.SIGKILL:
+            self.killed = RoleOutOfMemory(MemoryKill(by="sigkill"), role="rollout server", rank=self.index)
 
     def log_tail(self) -> str:
         try:
