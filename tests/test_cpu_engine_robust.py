@@ -121,7 +121,7 @@ def test_gadget_payloads_with_the_key_are_refused_by_name_nothing_runs_and_the_s
         status, reply = call(server, "/update_weights_from_tensor", {"serialized_named_tensors": [entry]})
     finally:
         call(server, "/end_weight_update", {})
-    assert status == 400 and f"Blocked unsafe global ({refused_at})" in reply["message"], reply
+    assert status == 400 and f"Blocked unsafe global ({refused_at}) during pickle deserialization" in reply["message"], reply
     assert not (tmp_path / "pwned").exists()
     assert healthy(server)
 
