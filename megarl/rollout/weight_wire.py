@@ -320,8 +320,18 @@ def lora_adapter_name(version: object) -> str:
     return f"megarl-v{version}"
 
 
-# Non-persistent buffers SGLang leaves out of its checksum (rotary tables and the like, rebuilt, never loaded).
-UNCHECKED_BUFFER_PATTERNS = ("cos_sin_cache", "inv_freq", "freqs_cis", "_weight_fp32")
+# SGLang 0.5.23's `_NON_PERSISTENT_BUFFER_PATTERNS` (`srt/utils/weight_checker.py`): tables rebuilt at start-up,
+# never loaded, which its weight checker leaves out of checksum, compare and reset.
+NON_PERSISTENT_BUFFER_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis",
+                                  "expert_mask_gpu")
+
+
+def skips_weight_check(name: str, tensor: torch.Tensor, skip_tensor_list: Sequence[str] | None = None) -> bool:
+    """SGLang's `_is_skip_weight_check`: a tensor the weight checker leaves out, by a pattern in its name, its
+    `_skip_weight_check` attribute, or a name fragment the request's `skip_tensor_list` gives."""
+    return (any(pattern in name for pattern in NON_PERSISTENT_BUFFER_PATTERNS)
+            or getattr(tensor, "_skip_weight_check", False)
+            or any(pattern in name for pattern in (skip_tensor_list or ())))
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

@@ -239,13 +239,13 @@ class CpuEngine:
             return False, str(error)
         return True, "Success"
 
-    def check_weights(self, action: str) -> tuple[bool, str, dict]:
+    def check_weights(self, action: str, skip_tensor_list: list[str] | None = None) -> tuple[bool, str, dict]:
         """SGLang's `/weights_checker` (see `weight_checker`), run between two decode steps."""
         with self._control_lock, self.scheduler.hold():
             refused = self.memory.refusal("check weights", needs=("weights",))
             if refused:
                 return False, refused, {}
-            return self._checker.handle(action)
+            return self._checker.handle(action, skip_tensor_list)
 
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
         with self._control_lock:
