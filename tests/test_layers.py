@@ -1,7 +1,7 @@
 """The README's architecture table, enforced: an ast walk of every import in megarl/.
 
 Each package may import only itself and the packages above it in the table; the
-top-level helper modules (`megarl/atomic.py`, `errors.py`, `net.py`, `ports.py`, `processes.py`,
+top-level helper modules (`megarl/atomic.py`, `errors.py`, `net.py`, `oom.py`, `ports.py`, `processes.py`,
 `quiet.py`, `registry.py`, `userfiles.py`) may be imported from anywhere and import no package. Seams the table
 alone does not show are checked too: production weight sync never reaches into the CPU test
 engine; Ray placement (placement groups, scheduling strategies) is megarl/cluster's
@@ -20,8 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megarl"
-BASE_MODULES = ("megarl.atomic", "megarl.errors", "megarl.net", "megarl.ports", "megarl.processes", "megarl.quiet",
-                "megarl.registry", "megarl.userfiles")
+BASE_MODULES = ("megarl.atomic", "megarl.errors", "megarl.net", "megarl.oom", "megarl.ports", "megarl.processes",
+                "megarl.quiet", "megarl.registry", "megarl.userfiles")
 PLACEMENT_NAMES = ("placement_group", "PlacementGroupSchedulingStrategy", "remove_placement_group")
 
 
