@@ -5,7 +5,10 @@ for torch or ray. Bad input (`megarl.errors.InputError`) prints one line per
 problem on stderr and exits with status 2, never a traceback. `megarl train`
 stopped by SIGTERM/SIGINT after writing its checkpoint exits with status 75
 (`megarl.controller.preemption.EXIT_PREEMPTED`), as does a stopped `megarl bench`;
-stopped at once by a second signal, with 128 + that signal, always.
+stopped at once by a second signal, with 128 + that signal, always. A role's
+worker killed for memory (`megarl.oom.RoleOutOfMemory`, anywhere in the failure's
+chain) is one line on stderr naming the role, the memory and the settings to
+change, and status 1, the status of any failed run (`--verbose` adds the traceback).
 """
 
 from __future__ import annotations
@@ -14,14 +17,17 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from megarl.errors import InputError, storage_problem
+from megarl.oom import find_role_oom
 from megarl.quiet import VERBOSE_ENV, quiet_third_parties
 
 # A run's complete step directory holds this file (`controller.checkpointing.MARKER`; not imported: it needs Ray).
 STEP_MARKER = "COMPLETE.json"
 
+EXIT_FAILED = 1  # the run failed (a role killed for memory): Python's own status for an uncaught error
 EXIT_BAD_INPUT = 2
 
 
@@ -177,6 +183,12 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megarl.plan.command import run
+
+    return run(args)
+
+
 def _cmd_submit(args: argparse.Namespace) -> int:
     from megarl.submit.command import run
 
@@ -274,6 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
     preprocess.add_argument("--seed", type=int, default=0, help="seed for generated (arithmetic) data")
     preprocess.set_defaults(run=_cmd_preprocess)
 
+    from megarl.plan.command import add_arguments as add_plan_arguments
+
+    plan = verbs.add_parser("plan", help="will a recipe fit, and how fast will it run: memory per GPU of every role, "
+                            "the KV cache, phase peaks, step times and a verdict, from the model's config.json alone "
+                            "(exit 1 when it does not fit)")
+    add_plan_arguments(plan)
+    plan.set_defaults(run=_cmd_plan)
+
     from megarl.submit.command import add_arguments as add_submit_arguments
 
     submit = verbs.add_parser("submit", help="run a recipe as a Slurm job (Ray across the nodes)")
@@ -298,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(error, SystemExit):
                 print(f"megarl: stopped at once ({type(error).__name__} while stopping: {error})", file=sys.stderr)
             return status
+        out_of_memory = find_role_oom(error)
+        if out_of_memory is not None:
+            if args.verbose:
+                traceback.print_exception(error)
+            print(f"error: {out_of_memory}", file=sys.stderr)
+            return EXIT_FAILED
         if isinstance(error, InputError):
             problems = error.problems
         elif isinstance(error, OSError) and storage_problem(error) is not None:

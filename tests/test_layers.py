@@ -1,7 +1,7 @@
 """The README's architecture table, enforced: an ast walk of every import in megarl/.
 
 Each package may import only itself and the packages above it in the table; the
-top-level helper modules (`megarl/atomic.py`, `errors.py`, `net.py`, `ports.py`, `processes.py`,
+top-level helper modules (`megarl/atomic.py`, `errors.py`, `net.py`, `oom.py`, `ports.py`, `processes.py`,
 `quiet.py`, `registry.py`, `userfiles.py`) may be imported from anywhere and import no package. Seams the table
 alone does not show are checked too: production weight sync never reaches into the CPU test
 engine; Ray placement (placement groups, scheduling strategies) is megarl/cluster's
@@ -20,8 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megarl"
-BASE_MODULES = ("megarl.atomic", "megarl.errors", "megarl.net", "megarl.ports", "megarl.processes", "megarl.quiet",
-                "megarl.registry", "megarl.userfiles")
+BASE_MODULES = ("megarl.atomic", "megarl.errors", "megarl.net", "megarl.oom", "megarl.ports", "megarl.processes",
+                "megarl.quiet", "megarl.registry", "megarl.userfiles")
 PLACEMENT_NAMES = ("placement_group", "PlacementGroupSchedulingStrategy", "remove_placement_group")
 
 
@@ -169,5 +169,18 @@ def test_the_sandbox_worker_stays_light():
 
     code = ("import sys, megarl.agent.sandbox_worker, megarl.agent.tools; "
             "print(sorted(m for m in ('torch', 'numpy', 'pydantic', 'ray', 'aiohttp') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_plan_runs_where_only_a_recipe_and_config_json_are():
+    """`megarl plan` reads a recipe and a config.json on a laptop: it imports no megatron, Ray, SGLang or
+    transformers (and no engine, fleet or cluster module that would)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megarl.plan.command, megarl.plan.plan, megarl.plan.report; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', 'sglang', 'transformers')"
+            " or m.startswith(('megarl.engines', 'megarl.rollout', 'megarl.cluster', 'megarl.controller'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"

@@ -10,6 +10,10 @@ never a string: a misspelt method fails where Python resolves the attribute, and
 the arguments are bound to the method's signature here, before anything goes to
 Ray, so a wrong keyword fails in the driver with the method's name.
 
+A rank killed for memory (by Ray's memory monitor, or SIGKILLed: the kernel's
+OOM killer) fails the call with `megarl.oom.RoleOutOfMemory`, which names the
+group's role, the rank and the method: the one line the CLI prints.
+
 Calls on one group are serialised: a call made from another thread waits until the
 one in flight has returned. Most worker methods are collectives over the group's
 ranks (NCCL or gloo); two calls submitted at once from two threads could reach the
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from megarl.cluster.placement import ResourcePool
+from megarl.oom import RoleOutOfMemory, memory_kill
 from megarl.protocol import Batch
 
 
@@ -45,7 +50,7 @@ class WorkerGroup:
         for rank in range(self.world_size):
             options: dict[str, Any] = {
                 **pool.actor_options(rank),
-                "name": f"megarl-{name}-{rank}",
+                "name": self._actor_name(rank),
                 "runtime_env": {"env_vars": dict(env or {})},
             }
             log = {"log_path": str(Path(log_dir) / f"{name}-{rank}.log")} if log_dir is not None else {}
@@ -67,18 +72,50 @@ class WorkerGroup:
 
     def run(self, method: Callable, *args, **kwargs) -> list:
         """Call `method` (a method of the worker class) on every rank with the same arguments; results in rank order."""
-        import ray
-
         name = self._method_name(method, args, kwargs)
         with self._calls:
-            return ray.get([getattr(worker, name).remote(*args, **kwargs) for worker in self.workers])
+            return self._results(name, [getattr(worker, name).remote(*args, **kwargs) for worker in self.workers])
 
     def run_rank(self, rank: int, method: Callable, *args, **kwargs):
-        import ray
-
         name = self._method_name(method, args, kwargs)
         with self._calls:
-            return ray.get(getattr(self.workers[rank], name).remote(*args, **kwargs))
+            return self._results(name, [getattr(self.workers[rank], name).remote(*args, **kwargs)], ranks=[rank])[0]
+
+    def _results(self, name: str, futures: list, ranks: list[int] | None = None) -> list:
+        """`ray.get(futures)` (rank `ranks[i]`'s call is `futures[i]`; all ranks in order by default); a rank
+        killed for memory raises `RoleOutOfMemory` instead of Ray's error."""
+        import ray
+
+        try:
+            return ray.get(futures)
+        except ray.exceptions.RayError as error:
+            if memory_kill(error) is None:
+                raise
+            method = f"{self.worker_cls.__name__}.{name}"
+            rank, own_error = self._killed_rank(futures, ranks if ranks is not None else list(range(len(futures))))
+            # Ray names an actor's task "<actor name>:<class>.__init__" (newer) or by the method (older).
+            names = ((f"{self._actor_name(rank)}:",) if rank is not None else ()) + (method,)
+            kill = memory_kill(own_error or error, names=names)
+            raise RoleOutOfMemory(kill, role=self.name, rank=rank, method=method) from error
+
+    @staticmethod
+    def _killed_rank(futures: list, ranks: list[int]) -> tuple[int | None, BaseException | None]:
+        """The first rank whose own result is a memory kill, and that error: ray.get raised the first failure it
+        saw, whichever rank it was."""
+        import ray
+
+        for rank, future in zip(ranks, futures):
+            try:
+                ray.get(future, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                continue  # still running (a collective waiting for the dead rank)
+            except ray.exceptions.RayError as error:
+                if memory_kill(error) is not None:
+                    return rank, error
+        return None, None
+
+    def _actor_name(self, rank: int) -> str:
+        return f"megarl-{self.name}-{rank}"
 
     def layout(self) -> list[dict]:
         """Per rank: `dp_rank`, `dp_size`, `is_output` (known after the engine is initialised)."""
@@ -102,7 +139,7 @@ class WorkerGroup:
                 getattr(worker, name).remote(shards[info["dp_rank"]], **kwargs)
                 for worker, info in zip(self.workers, layout)
             ]
-            results = ray.get(futures)
+            results = self._results(name, futures)
         by_dp = {info["dp_rank"]: result for info, result in zip(layout, results) if info["is_output"]}
         return [by_dp[dp_rank] for dp_rank in range(self.dp_size)]
 

@@ -58,6 +58,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 
 from megarl.config.settings import SamplingSettings
 from megarl.errors import InputError
+from megarl.oom import find_role_oom
 from megarl.protocol import Batch
 from megarl.rollout.batching import prompt_groups, prompt_token_lists, rollout_batch
 from megarl.rollout.client import RolloutClient, RolloutError
@@ -382,7 +383,7 @@ class RolloutFleet:
     def _running_urls(self) -> list[str]:
         """Servers that take memory and weight calls: serving or stale. FleetError when none is left at all."""
         if all(server.state == DEAD for server in self._servers):
-            raise FleetError(self._obituary())
+            raise self._no_server_left()
         return [server.url for server in self._servers if server.state in (UP, STALE)]
 
     def _resync(self) -> None:
@@ -430,7 +431,7 @@ class RolloutFleet:
             if not live:
                 states = {server.state for server in self._servers}
                 if states == {DEAD}:
-                    raise FleetError(self._obituary())
+                    raise self._no_server_left()
                 if STALE in states and RESTARTING not in states:
                     await self._driver_resync()  # only the driver may push weights (module docstring)
                 else:
@@ -539,14 +540,21 @@ class RolloutFleet:
             server.state = DEAD
             tail = await asyncio.to_thread(server.log_tail)
             server.failure = f"{reason}; restart {server.restarts} failed: {error}; log tail:\n{tail}"
+            server.killed = find_role_oom(error) or server.killed
         finally:
             self._notify()
 
-    def _obituary(self) -> str:
+    def _no_server_left(self) -> FleetError:
+        """Every server is dead: a FleetError listing why, caused by the first memory kill among them if any
+        (so the CLI says that in one line)."""
         lines = [f"no rollout server is serving ({len(self._servers)} started):"]
         lines += [f"- server {s.index} at {s.url}: {s.state}; {s.failure or 'no failure recorded'}"
                   for s in self._servers]
-        return "\n".join(lines)
+        error = FleetError("\n".join(lines))
+        killed = [server.killed for server in self._servers if server.killed is not None]
+        if killed:
+            error.__cause__ = killed[0]
+        return error
 
     async def _wait_changed(self) -> None:
         if self._changed is None:

@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.oom import RoleOutOfMemory, find_role_oom
 from megarl.rollout.server import ServerStartError, wait_healthy
 from megarl.rollout.server_host import ServerHost
 
@@ -48,6 +49,7 @@ class FleetMember:
     failure: str = ""
     assigned: int = 0
     slots: asyncio.Semaphore | None = None
+    killed: RoleOutOfMemory | None = None  # its host was found killed for memory (the fleet's error says so)
 
     def start(self, *, restart: bool = False, any_port: bool = False) -> dict[str, Any]:
         """Start (or stop and start) the process; returns the host's `url`, `pid` and `node`."""
@@ -73,7 +75,8 @@ class FleetMember:
                 return False
             self.model_info(self.api_key)
             return True
-        except Exception:  # noqa: BLE001 - unreachable, timed out, or its actor is gone: all mean dead
+        except Exception as error:  # noqa: BLE001 - unreachable, timed out, or its actor is gone: all mean dead
+            self.killed = find_role_oom(error) or self.killed
             return False
 
     def log_tail(self) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megarl.net import node_address
+from megarl.oom import RoleOutOfMemory, memory_kill
 from megarl.ports import free_port, port_is_free
 from megarl.processes import shield_ray_actor
 from megarl.rollout.server import (
@@ -231,16 +232,24 @@ class LocalHost:
 
 
 class RayHost:
-    """A `ServerHost` Ray actor; `call` blocks for the result."""
+    """Server `index`'s `ServerHost` Ray actor; `call` blocks for the result."""
 
-    def __init__(self, actor: Any):
-        self._actor = actor
+    def __init__(self, actor: Any, index: int):
+        self._actor, self.index = actor, index
 
     def call(self, method: Callable, *args: Any, timeout_s: float = 120.0) -> Any:
-        """`method` (a method of `ServerHost`, named by itself) on the actor, waiting at most `timeout_s`."""
+        """`method` (a method of `ServerHost`, named by itself) on the actor, waiting at most `timeout_s`;
+        `RoleOutOfMemory` if the actor was killed for memory."""
         import ray
 
-        return ray.get(getattr(self._actor, _host_method(method)).remote(*args), timeout=timeout_s)
+        name = _host_method(method)
+        try:
+            return ray.get(getattr(self._actor, name).remote(*args), timeout=timeout_s)
+        except ray.exceptions.RayError as error:
+            kill = memory_kill(error, names=(f"ServerHost.{name}",))
+            if kill is None:
+                raise
+            raise RoleOutOfMemory(kill, role="rollout server", rank=self.index, method=f"ServerHost.{name}") from error
 
     def close(self) -> None:
         import ray
@@ -277,6 +286,6 @@ def start_hosts(spec: ServerSpec, num_servers: int, *, use_ray: bool,
     remote_host = ray.remote(ServerHost)
     return [
         RayHost(remote_host.options(**{"num_cpus": 0, **placement.actor_options, "max_restarts": 0})
-                .remote(spec, index, list(placement.gpu_ids) if placement.gpu_ids is not None else None))
+                .remote(spec, index, list(placement.gpu_ids) if placement.gpu_ids is not None else None), index)
         for index, placement in enumerate(placements)
     ]

@@ -34,6 +34,8 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megarl.plan.command import add_device_arguments
+
     parser.add_argument("recipe", type=Path, nargs="?", help="YAML recipe file (omit with --status / --cancel)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override one recipe value; the job runs the recipe resolved with these (repeatable)")
@@ -55,7 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="environment variable for every node, over the recipe's cluster.env (repeatable)")
     parser.add_argument("--python", help="interpreter the job runs megarl and Ray with (default: this one, "
                         f"{sys.executable}; python3 inside a container)")
-    parser.add_argument("--dry-run", action="store_true", help="print the job script; submit nothing")
+    add_device_arguments(parser)
+    parser.add_argument("--force", action="store_true",
+                        help="submit even when `megarl plan` says the recipe does not fit the GPUs")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the job script (and the plan, on stderr); submit nothing")
     parser.add_argument("--status", type=Path, metavar="RUN_DIR", help="show the job state and last metrics of a run")
     parser.add_argument("--cancel", type=Path, metavar="RUN_DIR",
                         help="stop the job of a run: SIGTERM to its driver (which checkpoints), teardown, no requeue")
@@ -154,6 +160,7 @@ def submit(args: argparse.Namespace) -> None:
     from megarl.submit.render import render_script
 
     recipe, spec = _recipe_and_spec(args)
+    _check_plan(args, recipe)
     recorded = {name: os.environ[name] for name in RECORDED_ENV if os.environ.get(name)}
     script = render_script(spec, recorded_env=recorded)
     if args.dry_run:
@@ -180,6 +187,21 @@ def submit(args: argparse.Namespace) -> None:
     print(f"  stopping:  the driver checkpoints within {spec.budget.driver_s} s of a SIGTERM; Slurm's time-limit "
           f"signal comes {spec.budget.signal_lead_s} s before the limit; a preemption needs the partition's "
           f"GraceTime >= {spec.budget.kill_driver_s + spec.budget.teardown_s} s to keep the checkpoint")
+
+
+def _check_plan(args: argparse.Namespace, recipe) -> None:
+    """`megarl plan` on the job's GPUs (--gpu, default h100-80gb): a dry run prints it on stderr; a recipe that
+    does not fit is refused with the plan's reasons unless --force."""
+    from megarl.errors import InputError
+    from megarl.plan.command import device_from_args, preflight_plan
+
+    plan, markdown = preflight_plan(recipe, gpu=device_from_args(args))
+    if plan is None:
+        return
+    if args.dry_run:
+        sys.stderr.write(markdown)
+    if not plan.fits and not args.force:
+        raise InputError([f"plan: {problem} (--force submits anyway)" for problem in plan.problems])
 
 
 def _read_record(run_dir: Path) -> dict:
