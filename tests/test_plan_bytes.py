@@ -1,7 +1,7 @@
 """`megarl plan`'s weight, gradient and optimizer bytes per rank against what the engines allocate.
 
 One spawned job of two ranks builds engines at every layout below (TP1 x DP2, TP2,
-PP2 with a tied embedding, EP2 of an MoE model, a value model, bf16 with float32
+PP2 with a tied embedding, PP2 x VPP2, EP2 of an MoE model, a value model, bf16 with float32
 master weights, and megatron's distributed optimizer in float32 and bf16) and counts
 their tensors (`_plan_ranks`); the plan predicts the same from the HF config alone.
 Weights are exact (every parameter counted); gradients and optimizer state may differ
@@ -34,6 +34,7 @@ CASES = {
     "tp1-dp2": dict(hf_config=DENSE, tp=1, pp=1, dtype="float32", head="lm"),
     "tp2": dict(hf_config=QWEN3, tp=2, pp=1, dtype="float32", head="lm"),
     "pp2-tied": dict(hf_config=TIED, tp=1, pp=2, dtype="float32", head="lm"),
+    "pp2-vpp2": dict(hf_config={**DENSE, "num_hidden_layers": 4}, tp=1, pp=2, vpp=2, dtype="float32", head="lm"),
     "ep2": dict(hf_config=MOE, tp=1, pp=1, ep=2, dtype="float32", head="lm"),
     "tp2-value": dict(hf_config=TIED, tp=2, pp=1, dtype="float32", head="value"),
     "tp2-bf16": dict(hf_config=QWEN3, tp=2, pp=1, dtype="bfloat16", head="lm"),
