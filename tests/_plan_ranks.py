@@ -56,7 +56,7 @@ def _distributed_optimizer_bytes(engine) -> dict[str, int]:
 
 
 def allocated_bytes(*, rank: int, cases: list[dict]) -> list[dict]:
-    """For each case {hf_config, tp, pp, ep, dtype, head ("lm" | "value"), distributed_optimizer}: this rank's
+    """For each case {hf_config, tp, pp, vpp, ep, dtype, head ("lm" | "value"), distributed_optimizer}: this rank's
     counted bytes."""
     from megarl.engines.actor import PolicyEngine
     from megarl.engines.critic import ValueEngine
@@ -64,7 +64,7 @@ def allocated_bytes(*, rank: int, cases: list[dict]) -> list[dict]:
 
     results = []
     for case in cases:
-        set_model_parallel(tp=case["tp"], pp=case["pp"], ep=case.get("ep", 1))
+        set_model_parallel(tp=case["tp"], pp=case["pp"], vpp=case.get("vpp"), ep=case.get("ep", 1))
         kind = ValueEngine if case["head"] == "value" else PolicyEngine
         engine = kind(hf_config=case["hf_config"], weights=None, seed=1, params_dtype=case["dtype"],
                       transformer_impl="local", optimizer=optimizer(lr=1e-3))

@@ -22,6 +22,8 @@ from test_cpu_engine import API_KEY, VOCAB, build_model, call, word_tokenizer
 from test_weight_wire import gadgets
 
 from megarl.ports import free_port
+from megarl.rollout.cpu_engine.generate_io import Limits, build_job
+from megarl.rollout.cpu_engine.schema import GenerateBody
 from megarl.rollout.server import start_cpu_engine
 
 pytestmark = [pytest.mark.robust, pytest.mark.dist]
@@ -121,7 +123,7 @@ def test_gadget_payloads_with_the_key_are_refused_by_name_nothing_runs_and_the_s
         status, reply = call(server, "/update_weights_from_tensor", {"serialized_named_tensors": [entry]})
     finally:
         call(server, "/end_weight_update", {})
-    assert status == 400 and f"Blocked unsafe global ({refused_at})" in reply["message"], reply
+    assert status == 400 and f"Blocked unsafe global ({refused_at}) during pickle deserialization" in reply["message"], reply
     assert not (tmp_path / "pwned").exists()
     assert healthy(server)
 
@@ -144,6 +146,21 @@ def test_a_sampling_seed_is_ignored_without_deterministic_inference(server):
     first, second = (call(server, "/generate", body) for _ in range(2))
     assert first[0] == second[0] == 200
     assert first[1]["output_ids"] != second[1]["output_ids"]
+
+
+def test_with_deterministic_inference_an_unseeded_request_gets_sglangs_default_seed_42():
+    """SGLang seeds an unseeded request with 42 under --enable-deterministic-inference
+    (`sampling_batch_info.py`) and reads no seed without it."""
+    def seeds(sampling_params: dict, honour_seed: bool) -> list:
+        body = GenerateBody.model_validate({"input_ids": [1, 2], "sampling_params": sampling_params})
+        job = build_job(body, vocab_size=VOCAB, context_length=256, tokenizer=None,
+                        limits=Limits(honour_seed=honour_seed))
+        return [seq.sampling.seed for seq in job.seqs]
+
+    assert seeds({}, True) == [42]
+    assert seeds({"n": 2}, True) == [42, 43]  # sample j gets seed + j, as for a seeded request
+    assert seeds({"sampling_seed": 5}, True) == [5]
+    assert seeds({}, False) == seeds({"sampling_seed": 5}, False) == [None]
 
 
 def running_requests(server) -> int:

@@ -103,3 +103,31 @@ def test_a_trainer_checksum_of_a_widened_bf16_tensor_equals_the_servers(dtype):
 
     trainer = torch.randn(4, 5).to(torch.bfloat16)
     assert held_checksum(trainer, dtype) == tensor_checksum(trainer.to(dtype))
+
+
+def test_the_checker_walks_parameters_and_buffers_and_skips_by_sglangs_rule():
+    """SGLang's `weight_checker.py` rule: every parameter and buffer (persistent or not) except names holding
+    one of `_NON_PERSISTENT_BUFFER_PATTERNS`, tensors marked `_skip_weight_check`, and the request's
+    `skip_tensor_list`; `_weight_fp32` is no pattern of SGLang's."""
+    model = tiny_model("llama", seed=4)
+    patterns = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis", "expert_mask_gpu")
+    layer = model.model.layers[0]
+    for pattern in patterns:
+        layer.register_buffer(pattern, torch.ones(2))  # persistent: in the state dict, skipped by SGLang
+    layer.register_buffer("scale_table", torch.arange(3.0), persistent=False)  # no pattern: SGLang hashes it
+    model.model.norm.register_buffer("_weight_fp32", torch.zeros(64))
+    layer.mlp.up_proj.weight._skip_weight_check = True
+    expected = {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+                if not any(pattern in name for pattern in patterns) and name != "model.layers.0.mlp.up_proj.weight"}
+    checksums = WeightChecker(model).handle("checksum")[2]["ranks"][0]["checksums"]
+    assert checksums == {name: _sglang_checksum(tensor) for name, tensor in expected.items()}
+    assert "model.layers.0.scale_table" in checksums and "model.norm._weight_fp32" in checksums
+
+    checker = WeightChecker(model)
+    skipped = checker.handle("checksum", ["self_attn", "lm_head"])[2]["ranks"][0]["checksums"]
+    assert set(skipped) == {name for name in expected if "self_attn" not in name and "lm_head" not in name}
+    assert checker.handle("snapshot")[0]
+    with torch.no_grad():
+        layer.self_attn.q_proj.weight.add_(1.0)
+    assert checker.handle("compare", ["self_attn"]) == (True, "Success", {})
+    assert checker.handle("compare")[1] == "check tensor equality failed: model.layers.0.self_attn.q_proj.weight"

@@ -119,3 +119,32 @@ def test_submit_refuses_gpus_too_small_for_a_production_recipe(tmp_path, monkeyp
     assert main(argv + ["--force"]) == 0
     assert capsys.readouterr().out.startswith("#!/bin/bash")
     assert main(argv[:5] + ["h100-80gb"] + argv[6:]) == 0  # the same recipe on H100s fits
+
+
+def test_activation_terms_per_token_and_layer():
+    """Qwen3-8B (h 4096, q 4096, kv 1024, F 12288): 8h unsplit + 2(2q + 2kv) + 6F split = 126,976 bytes (31h; the
+    GPT layer of Korthikanti et al. keeps 34h); sequence parallelism splits all of it over TP; without flash attention
+    the softmax output adds 2 x heads x sequence; full recompute keeps the layer input (2h) alone."""
+    from megarl.plan.memory import layer_activation_bytes
+
+    arch = arch_from_hf(load_recipe(GRPO_8B).model.hf_config())
+    h = 4096
+
+    def per_token(**kwargs):
+        return layer_activation_bytes(arch, **{"seq_len": 1000, "tp": 1, "sequence_parallel": False, "flash": True,
+                                               "recompute": "none", **kwargs})
+
+    assert per_token() == 8 * h + 2 * (2 * 4096 + 2 * 1024) + 6 * 12288 == 126976
+    assert per_token(tp=4) == 8 * h + (126976 - 8 * h) / 4
+    assert per_token(tp=4, sequence_parallel=True) == 126976 / 4
+    assert per_token(flash=False) == 126976 + 2 * 32 * 1000
+    assert per_token(flash=False, recompute="selective") == 126976
+    assert per_token(recompute="full", tp=4, sequence_parallel=True) == 2 * h / 4
+
+
+def test_the_distributed_optimizer_splits_master_weights_and_moments_over_dp():
+    plain = _plan(PPO_8B, "h100-80gb")
+    split = plan_recipe(load_recipe(PPO_8B), Options(gpu=GPUS["h100-80gb"], distributed_optimizer=True))
+    actor, actor_split = (next(r for r in plan.roles if r.role == "actor") for plan in (plain, split))
+    assert actor_split.layout.dp == 2 and actor_split.memory.gradients == actor.memory.gradients
+    assert abs(actor_split.memory.optimizer - actor.memory.optimizer / 2) <= 12  # one parameter's rounding

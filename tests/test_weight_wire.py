@@ -1,7 +1,8 @@
 """The weight-update wire formats (`megarl.rollout.weight_wire`) against SGLang's rules, and the fan-out's logic.
 
 SGLang's receiving side is read from its source (0.5.23): `SafeUnpickler` in
-`srt/utils/common.py` (module-prefix allow-list, deny-list), `FlattenedTensorBucket`
+`srt/utils/common.py` (202 exact `(module, name)` pairs, `_load_from_bytes` as a weights-only
+storage load, the refusal's text), `FlattenedTensorBucket`
 in `srt/weight_sync/tensor_bucket.py` (byte offsets, `flat[start:end].view(dtype).reshape(shape)`),
 `monkey_patch_torch_reductions` in `srt/utils/patch_torch.py` (argument 6 of
 `rebuild_cuda_tensor` is the device, sent as a UUID). No GPU here: the CUDA path is
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import io
 import operator
 import os
@@ -88,7 +90,8 @@ def test_a_payload_with_a_projects_own_metadata_class_is_refused_as_sglang_refus
     own = [FlattenedTensorMetadata(m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel)
            for m in flat["metadata"]]
     entry = serialize_payload({"flattened_tensor": flat["flattened_tensor"], "metadata": own})
-    with pytest.raises(UnsafePayloadError, match=rf"Blocked unsafe global \({__name__}\.FlattenedTensorMetadata\)"):
+    with pytest.raises(UnsafePayloadError, match=rf"^Blocked unsafe global \({__name__}\.FlattenedTensorMetadata\) "
+                                                 r"during pickle deserialization$"):
         deserialize_payload(entry)
 
 
@@ -124,7 +127,8 @@ def gadgets(path) -> dict[str, tuple[str, str]]:
         "builtins": (base64.b64encode(builtins_chain(path)).decode(), "builtins.getattr"),
         "builtins.open": (entry_of([("w", Call(open, str(path), "w"))]), "io.open"),
         "torch": (entry_of(Call(torch.save, {"pwned": 1}, str(path))), "torch.serialization.save"),
-        "functools": (entry_of(Call(functools.partial(open, str(path), "w"))), "functools.partial"),
+        # `functools.partial` is one of SGLang's pairs: the chain stops at the callable it wraps.
+        "functools": (entry_of(Call(functools.partial(open, str(path), "w"))), "io.open"),
         "operator": (entry_of(Call(operator.methodcaller("touch"), Path(path))), "operator.methodcaller"),
         "after an allowed global": (entry_of(SimpleNamespace(name="w", hook=Call(os.system, f"touch {path}"))),
                                     "posix.system"),
@@ -135,7 +139,8 @@ def gadgets(path) -> dict[str, tuple[str, str]]:
                                   "after an allowed global"])
 def test_gadget_chains_are_refused_at_their_first_unlisted_global_and_nothing_runs(kind, tmp_path):
     entry, refused_at = gadgets(tmp_path / "pwned")[kind]
-    with pytest.raises(UnsafePayloadError, match=rf"^Blocked unsafe global \({re.escape(refused_at)}\)$"):
+    with pytest.raises(UnsafePayloadError,
+                       match=rf"^Blocked unsafe global \({re.escape(refused_at)}\) during pickle deserialization$"):
         deserialize_payload(entry)
     assert not (tmp_path / "pwned").exists()
 
@@ -163,8 +168,53 @@ def test_every_payload_megarl_sends_loads_and_needs_only_exact_globals_sglang_ha
     assert seen <= SafeUnpickler.ALLOWED_GLOBALS
     assert ("torch.nn.parameter", "Parameter") not in seen  # parameters travel as the tensors they wrap
     for gadget in [("builtins", "getattr"), ("torch", "load"), ("torch.storage", "_load_from_bytes"),
-                   ("functools", "partial"), ("operator", "attrgetter"), ("copyreg", "_reconstructor")]:
+                   ("operator", "attrgetter"), ("copyreg", "_reconstructor")]:
         assert gadget not in SafeUnpickler.ALLOWED_GLOBALS
+
+
+# SHA-256 over SGLang 0.5.23's `SafeUnpickler.ALLOWED_GLOBALS` (python/sglang/srt/utils/common.py, read from
+# the wheel's source with `ast.literal_eval`), as sorted "module.name" lines joined by newlines.
+SGLANG_0_5_23_GLOBALS_SHA256 = "1084398cad22580221d444ada08d367ae6718717d7d69b045248e70e88e63fc0"
+
+
+def test_the_allow_list_is_exactly_sglangs_202_pairs():
+    pairs = SafeUnpickler.ALLOWED_GLOBALS
+    assert len(pairs) == 202 and all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs)
+    lines = "\n".join(f"{module}.{name}" for module, name in sorted(pairs))
+    assert hashlib.sha256(lines.encode()).hexdigest() == SGLANG_0_5_23_GLOBALS_SHA256
+    # Plain pickles of tensors and parameters (`_rebuild_tensor_v2`, `_load_from_bytes`) load, as on SGLang.
+    tensor, param = torch.randn(3), torch.nn.Parameter(torch.randn(2))
+    assert torch.equal(deserialize_payload(entry_of(tensor)), tensor)
+    back = deserialize_payload(entry_of({"p": param}))["p"]
+    assert type(back) is torch.nn.Parameter and torch.equal(back, param)
+
+
+class FromBytes:
+    """Pickles as `torch.storage._load_from_bytes(data)`: torch's helper would `torch.load` `data` unrestricted."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __reduce__(self):
+        return torch.storage._load_from_bytes, (self.data,)
+
+
+def saved(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def test_load_from_bytes_is_a_weights_only_storage_load_as_on_sglang(tmp_path):
+    values = torch.arange(4, dtype=torch.float32)
+    back = deserialize_payload(entry_of(FromBytes(saved(values.untyped_storage()))))
+    assert isinstance(back, torch.storage.TypedStorage)  # torch.load gives a storage back typed (uint8)
+    assert torch.equal(torch.empty(0).set_(back._untyped_storage), values)
+    with pytest.raises(ValueError, match="Expected a Torch storage, got dict"):
+        deserialize_payload(entry_of(FromBytes(saved({"a": 1}))))
+    with pytest.raises(ValueError, match="Weights only load failed"):  # the nested load is restricted too
+        deserialize_payload(entry_of(FromBytes(saved(Call(os.system, f"touch {tmp_path / 'pwned'}")))))
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_globals_outside_the_exact_set_are_refused_and_garbage_is_a_value_error():

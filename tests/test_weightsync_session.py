@@ -13,7 +13,8 @@ from _http import call
 from _tiny import tiny_model
 
 from megarl.rollout.client import RolloutClient, RolloutError
-from megarl.weightsync.session import UpdateSession, WeightSyncError
+from megarl.rollout.weight_wire import serialize_named_tensors
+from megarl.weightsync.session import NO_SESSION_OPEN, UpdateSession, WeightSyncError
 
 pytestmark = pytest.mark.dist
 
@@ -72,7 +73,8 @@ def test_a_session_left_open_by_a_crashed_sync_is_ended_before_the_next_begins(s
     # begin is refused as SGLang refuses it...
     assert call(second.url, "/begin_weight_update", {}, key=API_KEY)[0] == 200
     status, reply = call(second.url, "/begin_weight_update", {}, key=API_KEY)
-    assert status == 400 and "already open" in reply["message"]
+    assert (status, reply["message"]) == (400, "a weight-update session is already open; call end_weight_update() "
+                                                "first")
     # ...and the next sync ends it first, then opens its own everywhere.
     with RolloutClient([first.url, second.url], api_key=API_KEY, timeout_s=60) as client:
         session = UpdateSession(client)
@@ -81,3 +83,36 @@ def test_a_session_left_open_by_a_crashed_sync_is_ended_before_the_next_begins(s
         client.update_weights_from_tensor(norm_update(0.25), flush_cache=False)
         session.close(weight_version="after-stale")
     assert not session_open(first) and not session_open(second)
+
+
+def test_session_refusals_are_sglangs_words_and_the_client_knows_the_no_session_one(servers):
+    """SGLang 0.5.23's texts (`weight_updater.py`: end and updates without a session), each a 400."""
+    first, _ = servers
+    status, reply = call(first.url, "/end_weight_update", {}, key=API_KEY)
+    assert (status, reply["message"]) == (400, NO_SESSION_OPEN)
+    assert NO_SESSION_OPEN == "no weight-update session is open; call begin_weight_update() first"
+    entry = serialize_named_tensors(norm_update(1.0))
+    status, reply = call(first.url, "/update_weights_from_tensor", {"serialized_named_tensors": [entry]}, key=API_KEY)
+    assert (status, reply["message"]) == (400, "update_weights_from_tensor must run between begin_weight_update() "
+                                               "and end_weight_update()")
+    with RefusingEnd([first.url], "no weight-update session is open; call begin_weight_update() first") as client:
+        UpdateSession(client, pause_mode=None).open()  # the stale-session end's 400 is the expected one
+        UpdateSession(client, pause_mode=None).abort()
+    with RefusingEnd([first.url], "end_weight_update: bad request") as client:
+        with pytest.raises(WeightSyncError, match="end stale weight update: .*bad request"):
+            UpdateSession(client, pause_mode=None).open()
+    assert not session_open(first)
+
+
+class RefusingEnd(RolloutClient):
+    """A client whose first `/end_weight_update` answers 400 with `message` in place of the server."""
+
+    def __init__(self, urls, message: str):
+        super().__init__(urls, api_key=API_KEY, timeout_s=60)
+        self.message, self.refusals_left = message, 1
+
+    async def request(self, url, method, endpoint, body=None):
+        if endpoint == "/end_weight_update" and self.refusals_left:
+            self.refusals_left -= 1
+            raise RolloutError(url, endpoint, 400, self.message)
+        return await super().request(url, method, endpoint, body)

@@ -84,6 +84,8 @@ def state_bytes(params: RankParams, *, dtype: str, trainable: bool, layout: Layo
 def layer_activation_bytes(arch: Arch, *, seq_len: int, tp: int, sequence_parallel: bool, flash: bool,
                            recompute: str) -> float:
     """Bytes one token keeps for the backward pass in one layer (16-bit activations)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}; expected one of {RECOMPUTE}")
     h, q, kv = arch.hidden_size, arch.num_attention_heads * arch.head_dim, arch.num_query_groups * arch.head_dim
     if recompute == "full":
         return 2 * h / (tp if sequence_parallel else 1)

@@ -25,7 +25,7 @@ from megarl.plan.gpus import GIB, GpuSpec
 from megarl.plan.kv_cache import CONTEXT_BYTES, KvPool, kv_pool
 from megarl.plan.memory import DTYPE_BYTES, Layout, RoleMemory, role_memory
 from megarl.plan.params import model_params
-from megarl.plan.timing import PhaseTime, compute_time, generation_time, sync_time
+from megarl.plan.timing import DEFAULT_MFU, PhaseTime, compute_time, generation_time, sync_time
 
 TRAINABLE = ("actor", "critic")
 
@@ -35,7 +35,7 @@ class Options:
     """What the plan assumes beyond the recipe (command-line flags)."""
 
     gpu: GpuSpec
-    mfu: float = 0.35
+    mfu: float = DEFAULT_MFU
     recompute: str = "none"
     distributed_optimizer: bool = False
 

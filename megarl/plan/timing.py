@@ -1,10 +1,12 @@
 """Step-time estimates per phase: generation, log-prob/value forwards, updates, weight sync.
 
 Every figure is a bound with a stated efficiency, not a measurement:
-- generation: decoding is memory-bound. Each decode step a server GPU reads its
-  weights once and the KV cache of every running sequence (on average the prompt
-  and half the response); at `BANDWIDTH_EFFICIENCY` of the data sheet bandwidth.
-  Prefill is compute-bound (2 FLOPs per weight and token at `mfu`). Responses are
+- generation: a roofline per decode step. Each step a server GPU reads its weights
+  once and the KV cache of every running sequence (on average the prompt and half
+  the response), at `BANDWIDTH_EFFICIENCY` of the data-sheet bandwidth, and does 2
+  FLOPs per weight and attention's 4 x q x context per running sequence, at `mfu`;
+  the slower of the two bounds the step (memory at the batch sizes GPUs run,
+  compute on a CPU). Prefill is compute-bound (2 FLOPs per weight and prompt token). Responses are
   assumed to run to `max_response_length` (an upper bound; `--synthetic` benches do).
 - forwards and updates: model FLOPs (`megarl.bench.flops`, PaLM's 6N / 2N + attention
   convention, no recompute) of every token of the step, over all the role's devices at `mfu`.
@@ -40,15 +42,20 @@ def generation_time(arch: Arch, pool: KvPool, *, prompt_tokens: int, response_to
     """One step's generation on one server (the servers run in parallel)."""
     if pool.waves == 0:
         return PhaseTime("gen", float("inf"), "no sequence fits the KV pool")
-    bandwidth = bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY
-    decode = 0.0
+    bandwidth, compute = bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY, tp * tflops * 1e12 * mfu
+    context = prompt_tokens + response_tokens / 2
+    step_flops = 2 * matmul_weights(arch) + 4 * arch.num_layers * arch.num_attention_heads * arch.head_dim * context
+    decode, bound = 0.0, set()
     for wave in range(pool.waves):
         running = min(pool.concurrent, pool.sequences - wave * pool.concurrent)
-        kv_read = running * (prompt_tokens + response_tokens / 2) * pool.token_bytes
-        decode += response_tokens * (pool.weight_bytes + kv_read) / bandwidth
-    prefill = 2 * matmul_weights(arch) * prompt_tokens * pool.sequences / (tp * tflops * 1e12 * mfu)
-    basis = (f"{pool.waves} wave(s) x {response_tokens} decode steps reading weights + KV at "
-             f"{BANDWIDTH_EFFICIENCY:.0%} of {bandwidth_gbs:g} GB/s; prefill at {mfu:.0%} MFU")
+        memory_s = (pool.weight_bytes + running * context * pool.token_bytes) / bandwidth
+        compute_s = running * step_flops / compute
+        bound.add("memory" if memory_s >= compute_s else "compute")
+        decode += response_tokens * max(memory_s, compute_s)
+    prefill = 2 * matmul_weights(arch) * prompt_tokens * pool.sequences / compute
+    basis = (f"{pool.waves} wave(s) x {response_tokens} decode steps, {'/'.join(sorted(bound))}-bound (weights + KV "
+             f"at {BANDWIDTH_EFFICIENCY:.0%} of {bandwidth_gbs:g} GB/s, FLOPs at {mfu:.0%} MFU); prefill at {mfu:.0%} "
+             "MFU")
     return PhaseTime("gen", decode + prefill, basis)
 
 

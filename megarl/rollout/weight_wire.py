@@ -15,8 +15,9 @@ engine accepts is exactly what real SGLang 0.5.23 accepts:
   (`srt/weight_sync/tensor_bucket.py`). A namespace, not a class of our own: SGLang
   unpickles with an allow-list (`SafeUnpickler`, `srt/utils/common.py`) that
   refuses any other module's globals, and its scheduler dies of the refusal.
-- Restricted unpickling: `SafeUnpickler` allows globals by exact `(module, name)` pair,
-  as SGLang 0.5.23 does, so a payload the CPU engine loads is one SGLang loads.
+- Restricted unpickling: `SafeUnpickler` allows SGLang 0.5.23's exact set of `(module, name)`
+  pairs (`SGLANG_ALLOWED_GLOBALS`) and refuses any other with SGLang's text, so a payload the
+  CPU engine loads is one SGLang loads and one it refuses, SGLang refuses.
 - CUDA tensors travel with the *UUID* of their GPU instead of its index (SGLang's
   `monkey_patch_torch_reductions`, `srt/utils/patch_torch.py`): the trainer's
   `cuda:0` under Ray and the server's `cuda:0` are different GPUs. Pickling swaps
@@ -129,8 +130,8 @@ def device_index_for_uuid(uuid: str | int, visible: Sequence[str]) -> int:
 
 
 def _reduce_tensor_by_uuid(tensor: torch.Tensor):
-    # A Parameter travels as the plain tensor it wraps (same storage): the receiver's allow-list has no
-    # `torch.nn.parameter.Parameter`, and a weight update needs the values only.
+    # A Parameter travels as the plain tensor it wraps (same storage): a weight update needs the values only,
+    # and the receiver then needs no `torch.nn.parameter.Parameter` global.
     rebuild, args = reductions.reduce_tensor(tensor.detach() if isinstance(tensor, torch.nn.Parameter) else tensor)
     if tensor.is_cuda:  # argument 6 of rebuild_cuda_tensor is the device index
         args = (*args[:6], device_uuid(args[6]), *args[7:])
@@ -167,41 +168,97 @@ class UnsafePayloadError(RuntimeError):
     """A payload naming a global outside SGLang's allow-list (refused before anything of it ran)."""
 
 
-def _dtype_globals() -> frozenset[tuple[str, str]]:
-    # torch pickles a dtype as the global `torch.<name>`: values, not callables.
-    return frozenset(("torch", name) for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
+# SGLang 0.5.23's `SafeUnpickler.ALLOWED_GLOBALS` (`python/sglang/srt/utils/common.py`), all 202 exact
+# `(module, name)` pairs, in SGLang's order: (module, its names). Data, not a rule of megarl's own, so the
+# CPU engine loads exactly what SGLang loads. Pairs whose module is not installed here (`sglang.*`,
+# `torch_npu.*`) are allowed and fail to import, a malformed payload (400).
+SGLANG_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset((module, name) for module, names in (
+    ("builtins", "bool bytearray bytes complex dict float frozenset int list range set slice str "
+                 "tuple"),
+    ("collections", "OrderedDict defaultdict deque Counter"),
+    ("copyreg", "__newobj__ __newobj_ex__"),
+    ("functools", "partial"),
+    ("itertools", "chain repeat"),
+    ("multiprocessing.reduction", "_rebuild_partial _rebuild_socket"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+    ("types", "SimpleNamespace"),
+    ("_codecs", "encode"),
+    ("torch", "Tensor BFloat16Tensor BoolTensor ByteTensor CharTensor DoubleTensor FloatTensor "
+              "HalfTensor IntTensor LongTensor ShortTensor"),
+    ("torch.cuda", "BFloat16Tensor BoolTensor ByteTensor CharTensor DoubleTensor FloatTensor "
+                   "HalfTensor IntTensor LongTensor ShortTensor"),
+    ("torch.cuda.sparse", "BFloat16Tensor ByteTensor CharTensor DoubleTensor FloatTensor "
+                          "HalfTensor IntTensor LongTensor ShortTensor"),
+    ("torch.sparse", "BFloat16Tensor ByteTensor CharTensor DoubleTensor FloatTensor HalfTensor "
+                     "IntTensor LongTensor ShortTensor"),
+    ("torch", "Size device dtype bcomplex32 bfloat16 bit bits16 bits1x8 bits2x4 bits4x2 bits8 "
+              "bool cdouble cfloat chalf complex128 complex32 complex64 double float float16 "
+              "float32 float4_e2m1fn_x2 float64 float8_e4m3fn float8_e4m3fnuz float8_e5m2 "
+              "float8_e5m2fnuz float8_e8m0fnu half int int1 int16 int2 int3 int32 int4 int5 int6 "
+              "int64 int7 int8 long qint32 qint8 quint2x4 quint4x2 quint8 short uint1 uint16 "
+              "uint2 uint3 uint32 uint4 uint5 uint6 uint64 uint7 uint8"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch.serialization", "_get_layout"),
+    ("torch._utils", "_rebuild_tensor _rebuild_tensor_v2 _rebuild_tensor_v3 _rebuild_parameter "
+                     "_rebuild_parameter_with_state _rebuild_qtensor _rebuild_sparse_tensor "
+                     "_rebuild_meta_tensor_no_storage _rebuild_wrapper_subclass "
+                     "_rebuild_device_tensor_from_numpy _rebuild_device_tensor_from_cpu_tensor"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch.storage", "UntypedStorage _UntypedStorage TypedStorage"),
+    ("torch", "UntypedStorage BFloat16Storage BoolStorage ByteStorage CharStorage "
+              "ComplexDoubleStorage ComplexFloatStorage DoubleStorage FloatStorage HalfStorage "
+              "IntStorage LongStorage QInt32Storage QInt8Storage QUInt2x4Storage QUInt4x2Storage "
+              "QUInt8Storage ShortStorage"),
+    ("torch.cuda", "BFloat16Storage BoolStorage ByteStorage CharStorage ComplexDoubleStorage "
+                   "ComplexFloatStorage DoubleStorage FloatStorage HalfStorage IntStorage "
+                   "LongStorage ShortStorage"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor rebuild_meta_tensor rebuild_cuda_tensor"),
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+    ("torch_npu.multiprocessing.reductions", "rebuild_npu_tensor"),
+    ("sglang.srt.utils.patch_torch", "_rebuild_npu_tensor_modified"),
+    ("torch.multiprocessing.reductions", "rebuild_nested_tensor rebuild_sparse_coo_tensor "
+                                         "rebuild_sparse_compressed_tensor rebuild_storage_fd "
+                                         "rebuild_storage_filename rebuild_storage_empty "
+                                         "rebuild_typed_storage rebuild_typed_storage_child"),
+    ("torch", "per_tensor_affine per_tensor_symmetric per_channel_affine per_channel_symmetric "
+              "per_channel_affine_float_qparams"),
+    ("sglang.srt.managers.io_struct", "GenerateReqInput EmbeddingReqInput"),
+    ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData"),
+    ("sglang.srt.managers.schedule_batch", "Modality"),
+    ("sglang.srt.multimodal.modality", "Modality"),
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata FlattenedTensorBucket"),
+    ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"),
+    ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"),
+) for name in names.split())
+
+
+def _load_storage_from_bytes(data: bytes):
+    """What SGLang loads for `torch.storage._load_from_bytes` (a plainly pickled storage): torch's own helper
+    runs an unrestricted nested `torch.load`, this one a weights-only load that must yield a storage."""
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
+        raise pickle.UnpicklingError(f"Expected a Torch storage, got {type(storage).__name__}")
+    return storage
 
 
 class SafeUnpickler(pickle.Unpickler):
-    """SGLang 0.5.23's rule (`SafeUnpickler`, `srt/utils/common.py`): a global loads only if its exact
-    `(module, name)` pair is allowed; no module prefix is trusted, because `builtins`, `torch`, `functools`,
-    `operator` and SGLang's own modules all hold callables that chain into arbitrary code.
+    """SGLang 0.5.23's rule (`SafeUnpickler.find_class`, `srt/utils/common.py`): a global loads only if its
+    exact `(module, name)` pair is in `SGLANG_ALLOWED_GLOBALS`, and `torch.storage._load_from_bytes` loads as
+    a weights-only storage; no module prefix is trusted, because `builtins`, `torch`, `functools`, `operator`
+    and SGLang's own modules all hold callables that chain into arbitrary code. The refusal's text is
+    SGLang's, so a log line reads the same on both servers."""
 
-    The pairs here are the ones megarl's payloads need, CPU and CUDA forms: a tensor rebuilt from a shared
-    storage (`torch.multiprocessing.reductions`), its storage class, shape and dtype, and the
-    `types.SimpleNamespace` of a bucket's metadata. Each is in SGLang's set too (its own tests round-trip
-    a `ForkingPickler` tensor and a `SimpleNamespace`), so a payload this loads, SGLang loads."""
-
-    ALLOWED_GLOBALS = frozenset({
-        ("types", "SimpleNamespace"),
-        ("torch", "Size"),
-        ("torch", "Tensor"),
-        ("torch.storage", "UntypedStorage"),
-        ("torch.storage", "TypedStorage"),  # a CUDA tensor names its storage class
-        ("torch.multiprocessing.reductions", "rebuild_tensor"),
-        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    }) | _dtype_globals()
+    ALLOWED_GLOBALS = SGLANG_ALLOWED_GLOBALS
 
     def __init__(self, file, *, visible_devices: Callable[[], Sequence[str]]):
         super().__init__(file)
         self._visible_devices = visible_devices
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage_from_bytes
         if (module, name) not in self.ALLOWED_GLOBALS:
-            # SGLang's own wording, so a log line reads the same on both servers.
-            raise UnsafePayloadError(f"Blocked unsafe global ({module}.{name})")
+            raise UnsafePayloadError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
         found = super().find_class(module, name)
         if found is reductions.rebuild_cuda_tensor:
             return self._rebuild_cuda_tensor
@@ -263,8 +320,18 @@ def lora_adapter_name(version: object) -> str:
     return f"megarl-v{version}"
 
 
-# Non-persistent buffers SGLang leaves out of its checksum (rotary tables and the like, rebuilt, never loaded).
-UNCHECKED_BUFFER_PATTERNS = ("cos_sin_cache", "inv_freq", "freqs_cis", "_weight_fp32")
+# SGLang 0.5.23's `_NON_PERSISTENT_BUFFER_PATTERNS` (`srt/utils/weight_checker.py`): tables rebuilt at start-up,
+# never loaded, which its weight checker leaves out of checksum, compare and reset.
+NON_PERSISTENT_BUFFER_PATTERNS = ("cos_sin_cache", "cos_cache", "sin_cache", "inv_freq", "freqs_cis",
+                                  "expert_mask_gpu")
+
+
+def skips_weight_check(name: str, tensor: torch.Tensor, skip_tensor_list: Sequence[str] | None = None) -> bool:
+    """SGLang's `_is_skip_weight_check`: a tensor the weight checker leaves out, by a pattern in its name, its
+    `_skip_weight_check` attribute, or a name fragment the request's `skip_tensor_list` gives."""
+    return (any(pattern in name for pattern in NON_PERSISTENT_BUFFER_PATTERNS)
+            or getattr(tensor, "_skip_weight_check", False)
+            or any(pattern in name for pattern in (skip_tensor_list or ())))
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

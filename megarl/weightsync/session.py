@@ -23,6 +23,11 @@ from typing import Any
 from megarl.rollout.client import RolloutClient, RolloutError
 
 
+# How SGLang 0.5.23 (and megarl's CPU engine, in the same words) answers `/end_weight_update` when no session is
+# open, with HTTP 400 (`srt/managers/scheduler_components/weight_updater.py`, `end_weight_update`).
+NO_SESSION_OPEN = "no weight-update session is open; call begin_weight_update() first"
+
+
 class WeightSyncError(RuntimeError):
     """A sync that failed or timed out; the message names the phase and the peer (server URL or trainer rank)."""
 
@@ -126,9 +131,10 @@ class UpdateSession:
                 self._resume()
 
     def _end_stale(self) -> None:
-        """End a session a crashed or failed sync left open; a server without one refuses (400), which is fine."""
+        """End a session a crashed or failed sync left open; a server without one refuses (400, `NO_SESSION_OPEN`),
+        which is fine; any other refusal is not."""
         failed = [f"{url}: {_text(error)}" for url, error in self._each("POST", "/end_weight_update", {})
-                  if error is not None and not (isinstance(error, RolloutError) and error.status == 400)]
+                  if error is not None and not _no_session_open(error)]
         if failed:
             raise WeightSyncError("end stale weight update: POST /end_weight_update failed on " + "; ".join(failed))
 
@@ -171,6 +177,10 @@ class UpdateSession:
     def _resume(self) -> None:
         if self.pause_mode is not None:
             call_servers(self.client, "POST", "/continue_generation", {}, phase="continue generation")
+
+
+def _no_session_open(error: BaseException | str) -> bool:
+    return isinstance(error, RolloutError) and error.status == 400 and NO_SESSION_OPEN in error.message
 
 
 def _text(error: BaseException | str) -> str:

@@ -142,7 +142,7 @@ class CpuEngine:
     def begin_weight_update(self, selector: str) -> tuple[bool, str]:
         with self._control_lock:
             if self._update_selector is not None:
-                return False, "begin_weight_update: a weight-update session is already open"
+                return False, "a weight-update session is already open; call end_weight_update() first"
             if selector == "draft":
                 return False, "begin_weight_update: selector 'draft': this server has no draft model"
             self._update_selector = selector
@@ -151,7 +151,7 @@ class CpuEngine:
     def end_weight_update(self) -> tuple[bool, str]:
         with self._control_lock:
             if self._update_selector is None:
-                return False, "end_weight_update called without begin_weight_update"
+                return False, "no weight-update session is open; call begin_weight_update() first"
             self._update_selector = None
             return True, "Success"
 
@@ -239,13 +239,13 @@ class CpuEngine:
             return False, str(error)
         return True, "Success"
 
-    def check_weights(self, action: str) -> tuple[bool, str, dict]:
+    def check_weights(self, action: str, skip_tensor_list: list[str] | None = None) -> tuple[bool, str, dict]:
         """SGLang's `/weights_checker` (see `weight_checker`), run between two decode steps."""
         with self._control_lock, self.scheduler.hold():
             refused = self.memory.refusal("check weights", needs=("weights",))
             if refused:
                 return False, refused, {}
-            return self._checker.handle(action)
+            return self._checker.handle(action, skip_tensor_list)
 
     def update_weight_version(self, new_version: str, *, abort_all_requests: bool) -> None:
         with self._control_lock:
@@ -255,7 +255,7 @@ class CpuEngine:
 
     def _refuse_update(self, action: str) -> str | None:
         if self._update_selector is None:
-            return f"{action} requires an open begin_weight_update session"
+            return f"{action} must run between begin_weight_update() and end_weight_update()"
         return self.memory.refusal(action, needs=("weights",))
 
     def _apply(self, named, *, flush_cache: bool, abort_all_requests: bool, weight_version: str | None,

@@ -10,7 +10,8 @@ for batched input or n > 1, else a single dict.
 `sampling_seed` is honoured only by a server started with
 `--enable-deterministic-inference`, as SGLang reads it only then; otherwise a
 sample draws from the server's own generator, and a retried sample is another
-sample. Deviation from SGLang, on purpose: with `sampling_seed` s and n > 1,
+sample. With the flag, a request without a seed gets SGLang's default seed,
+`DEFAULT_SAMPLING_SEED` (42). Deviation from SGLang, on purpose: with seed s and n > 1,
 sample j is seeded with s + j (SGLang would draw n identical samples), so one
 request returns n different, reproducible samples.
 
@@ -35,6 +36,11 @@ Decode = Callable[[list[int], bool], str]
 # context * this cannot fit, and is refused before it is tokenized (a 12 MB text used to
 # stall the server while tokenizing).
 MAX_CHARS_PER_TOKEN = 64
+
+
+# The seed SGLang gives an unseeded request under --enable-deterministic-inference
+# (`srt/sampling/sampling_batch_info.py`, `SamplingBatchInfo.from_schedule_batch`).
+DEFAULT_SAMPLING_SEED = 42
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,9 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
         settings = _settings(params[index], len(prompt), context_length, tokenizer, index, problems)
         samples = params[index].n or 1
         for sample in range(samples):
-            seed = settings.seed + sample if settings.seed is not None and limits.honour_seed else None
+            seed = None
+            if limits.honour_seed:
+                seed = (DEFAULT_SAMPLING_SEED if settings.seed is None else settings.seed) + sample
             seqs.append(
                 Sequence(
                     rid=rids[index] if samples == 1 else f"{rids[index]}_{sample}",

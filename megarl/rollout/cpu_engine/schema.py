@@ -221,6 +221,7 @@ class UpdateWeightsFromDistributedBody(_Strict):
 class CheckWeightsBody(_Strict):
     action: str = "checksum"  # checksum, snapshot, compare, reset_tensors (SGLang's CheckWeightsReqInput)
     allow_quant_error: bool = False  # only quantized weights compare within a tolerance; none here
+    skip_tensor_list: list[str] | None = None  # name fragments left out of reset, compare and checksum
 
 
 class DestroyWeightsUpdateGroupBody(_Strict):

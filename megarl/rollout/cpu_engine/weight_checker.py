@@ -32,37 +32,39 @@ class WeightChecker:
         self.model = model
         self._held: dict[str, torch.Tensor] | None = None  # the snapshot
 
-    def handle(self, action: str) -> tuple[bool, str, dict]:
-        """(success, message, extra reply fields) of `action`."""
+    def handle(self, action: str, skip_tensor_list: list[str] | None = None) -> tuple[bool, str, dict]:
+        """(success, message, extra reply fields) of `action`; names containing a `skip_tensor_list` entry are
+        left out of checksum, compare and reset, as SGLang leaves them out."""
         if action not in ACTIONS:
             return False, f"Unsupported action={action!r} (one of {list(ACTIONS)})", {}
         with torch.no_grad():
-            return getattr(self, f"_{action}")()
+            return getattr(self, f"_{action}")(skip_tensor_list)
 
-    def _checksum(self) -> tuple[bool, str, dict]:
-        checksums = {name: tensor_checksum(tensor) for name, tensor in checked_tensors(self.model).items()}
+    def _checksum(self, skip: list[str] | None) -> tuple[bool, str, dict]:
+        checksums = {name: tensor_checksum(tensor) for name, tensor in checked_tensors(self.model, skip).items()}
         rank = {"checksums": checksums, "per_gpu_checksum": rank_checksum(checksums),
                 "parallelism_info": dict(PARALLELISM)}
         return True, "Success", {"ranks": [rank], "per_engine_checksum": engine_checksum([rank["per_gpu_checksum"]])}
 
-    def _snapshot(self) -> tuple[bool, str, dict]:
+    def _snapshot(self, skip: list[str] | None) -> tuple[bool, str, dict]:
+        del skip  # SGLang's snapshot holds every tensor; compare leaves out what its request skips
         self._held = {name: tensor.detach().clone() for name, tensor in checked_tensors(self.model).items()}
         return True, "Success", {}
 
-    def _compare(self) -> tuple[bool, str, dict]:
+    def _compare(self, skip: list[str] | None) -> tuple[bool, str, dict]:
         if self._held is None:
             return False, "compare needs a snapshot first (action 'snapshot')", {}
-        current = checked_tensors(self.model)
-        differing = [name for name, held in self._held.items()
-                     if name not in current or not torch.equal(held, current[name])]
+        current = checked_tensors(self.model, skip)
+        differing = [name for name, held in self._held.items() if not any(part in name for part in skip or ())
+                     and (name not in current or not torch.equal(held, current[name]))]
         if differing:
             named = ", ".join(differing[:MAX_NAMED]) + (f" and {len(differing) - MAX_NAMED} more"
                                                          if len(differing) > MAX_NAMED else "")
             return False, f"check tensor equality failed: {named}", {}
         return True, "Success", {}
 
-    def _reset_tensors(self) -> tuple[bool, str, dict]:
-        for tensor in checked_tensors(self.model).values():
+    def _reset_tensors(self, skip: list[str] | None) -> tuple[bool, str, dict]:
+        for tensor in checked_tensors(self.model, skip).values():
             if tensor.is_floating_point():
                 tensor.copy_(torch.rand(tensor.shape, dtype=torch.float32).to(tensor.dtype))
         return True, "Success", {}

@@ -123,7 +123,8 @@ async def weights_checker(request: Request) -> Response:
         body = await read_body(request, CheckWeightsBody, state_of(request).args.max_request_bytes)
     except RequestError as error:
         return result(False, "; ".join(error.problems), status=error.status)
-    success, message, extra = await asyncio.to_thread(engine_of(request).check_weights, body.action)
+    success, message, extra = await asyncio.to_thread(engine_of(request).check_weights, body.action,
+                                                    body.skip_tensor_list)
     return result(success, message, **extra)
 
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from megarl.rollout.weight_wire import UNCHECKED_BUFFER_PATTERNS
+from megarl.rollout.weight_wire import skips_weight_check
 
 logger = logging.getLogger(__name__)
 
@@ -132,13 +132,15 @@ def widens_exactly(source: torch.dtype, target: torch.dtype) -> bool:
     return (source, target) in _EXACT_WIDENINGS
 
 
-def checked_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """What `/weights_checker` reads: every tensor an update may name (`weight_views`: the state dict,
-    per-expert views included), so its checksums carry the names trainers send. SGLang reads its own
-    parameters and persistent buffers, under its fused names; the state dict holds no non-persistent
-    buffer, the ones SGLang leaves out too."""
-    return {name: tensor for name, tensor in weight_views(model).items()
-            if not any(pattern in name for pattern in UNCHECKED_BUFFER_PATTERNS)}
+def checked_tensors(model: PreTrainedModel, skip_tensor_list: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """What `/weights_checker` reads: SGLang's walk, every parameter and every buffer (persistent or not),
+    less what its rule skips (`weight_wire.skips_weight_check`). Parameters go by every name an update may
+    use (`weight_views`: a tied weight's both names, per-expert views of fused experts), so the checksums
+    carry the names trainers send; SGLang names its own fused, TP-sharded tensors."""
+    tensors = dict(weight_views(model))
+    tensors.update((name, buffer) for name, buffer in model.named_buffers() if name not in tensors)
+    return {name: tensor for name, tensor in tensors.items()
+            if not skips_weight_check(name, tensor, skip_tensor_list)}
 
 
 def apply_named_tensors(model: PreTrainedModel, named_tensors: NamedTensors) -> int:
