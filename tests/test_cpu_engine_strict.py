@@ -5,12 +5,13 @@ scheduler's `assert flush_cache_success` after an update and `assert self.is_ful
 before a memory release (srt/managers/scheduler_update_weights_mixin.py; unguarded, so
 the scheduler and the server die), `UpdateWeightVersionReqInput.abort_all_requests = True`
 (srt/managers/io_struct.py), `/health` running a one-token generation with a 20 s
-timeout (srt/entrypoints/http_server.py), and the tokenizer manager's model-update lock.
+timeout unless `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` is false (srt/entrypoints/http_server.py), and the tokenizer manager's model-update lock.
 Failures that kill SGLang's server kill this one too: those tests use a server of their own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -34,11 +35,13 @@ from test_cpu_engine import (
 )
 from _http import weight_checksums
 from test_weight_wire import FlattenedTensorMetadata
+from starlette.requests import Request
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from megarl.models import arch_from_hf, hf_to_megatron
 from megarl.rollout import RolloutClient, RolloutFleet, ServerSpec
 from megarl.rollout.fleet_member import FleetMember
+from megarl.rollout.cpu_engine.generate_routes import health
 from megarl.rollout.server import start_cpu_engine
 from megarl.rollout.server_host import ServerHost
 from megarl.rollout.weight_wire import (
@@ -245,6 +248,37 @@ class _RunningHost:
         return None
 
 
+def health_status(path: str, engine) -> int:
+    """The status `path` answers, asked of the route's handler in this process."""
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(engine=engine)))
+    request = Request({"type": "http", "method": "GET", "path": path, "headers": [], "query_string": b"", "app": app})
+    return asyncio.run(health(request)).status_code
+
+
+@pytest.mark.parametrize("value, generates", [(None, True), ("0", False), ("false", False), ("No", False),
+                                              ("1", True), ("YES", True)])
+def test_health_generates_unless_its_environment_turns_health_generation_off(monkeypatch, value, generates):
+    """SGLang's `/health` (http_server.py): with `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` false it answers
+    200 without generating; `/health_generate` always generates. On released memory a generation is the
+    loud 500, and the stub engine has no scheduler to generate with: a 200 generated nothing."""
+    if value is None:
+        monkeypatch.delenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", value)
+    released = SimpleNamespace(memory=SimpleNamespace(released={"weights": 1}))
+    assert health_status("/health", released) == (500 if generates else 200)
+    assert health_status("/health_generate", released) == 500
+    assert health_status("/health", None) == 503  # still starting, as on SGLang whatever the switch
+
+
+def test_an_invalid_health_generation_switch_warns_and_keeps_sglangs_default(monkeypatch):
+    monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "off")
+    released = SimpleNamespace(memory=SimpleNamespace(released={"weights": 1}))
+    with pytest.warns(UserWarning, match=r'Invalid value for SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION: "off" is '
+                                         r'not a valid boolean value, using default "True"'):
+        assert health_status("/health", released) == 500
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -260,11 +294,11 @@ def test_release_really_frees_the_weights_refuses_work_and_resume_needs_a_push(s
     # The weights' memory went back to the OS (independent of the server's own account).
     assert resident - rss_bytes(server.pid) > 0.8 * weight_bytes
     # Generating on released memory is SGLang running a forward pass on freed GPU memory: a loud error,
-    # for /health's one-token generation too, so a test catches any prober.
+    # for /health_generate's one-token generation too, so a test catches any prober.
     status, reply = call(server, "/generate", greedy_body(PROMPTS[0], max_new_tokens=2))
     assert status == 500 and "released memory" in reply["error"]["message"]
-    assert call(server, "/health", method="GET", key=None)[0] == 500
-    assert "/health ran a generation on released memory" in server.log_tail()
+    assert call(server, "/health_generate", method="GET", key=None)[0] == 500
+    assert "/health_generate ran a generation on released memory" in server.log_tail()
     assert call(server, "/begin_weight_update", {})[0] == 200
     status, reply = call(server, "/update_weights_from_tensor",
                          {"serialized_named_tensors": [serialize_named_tensors([("model.norm.weight", torch.ones(512))])]})

@@ -1,5 +1,7 @@
-"""The routes that generate: `/generate` (whole or streamed) and the one-token `/health` probe.
+"""The routes that generate: `/generate` (whole or streamed) and the one-token `/health_generate` probe.
 
+`/health` is `/health_generate` unless the server's environment sets `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`
+false: then it answers 200 without generating, as SGLang's does (the fleet starts servers so).
 Generating while memory is released is an error (500, logged): SGLang would run a forward pass on freed
 GPU memory.
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import uuid
+import warnings
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
@@ -31,17 +35,37 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 DISCONNECT_POLL_S = 0.5
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+
+
+def health_endpoint_generates() -> bool:
+    """SGLang's `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION` (`srt/environ.py`: an `EnvBool`, default True), read
+    at each request as SGLang reads it: true/1/yes/y or false/0/no/n in any case; another value warns and
+    counts as the default."""
+    value = os.environ.get(HEALTH_GENERATION_ENV)
+    if value is None:
+        return True
+    value = value.lower()
+    if value in ("true", "1", "yes", "y"):
+        return True
+    if value in ("false", "0", "no", "n"):
+        return False
+    warnings.warn(f'Invalid value for {HEALTH_GENERATION_ENV}: "{value}" is not a valid boolean value, '
+                  f'using default "True"')
+    return True
 
 
 @router.get("/health")
 @router.get("/health_generate")
 async def health(request: Request) -> Response:
     """200 once a one-token generation finishes; 503 while starting or after the timeout; 500 (and an error in
-    the log) on released memory."""
+    the log) on released memory. `/health` with health generation off: 200 at once, nothing generated."""
     state = state_of(request)
     engine = state.engine
     if engine is None:
         return Response(status_code=503)
+    if request.url.path == "/health" and not health_endpoint_generates():
+        return Response(status_code=200)
     if engine.memory.released:
         return _released(engine, request.url.path)
     rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
@@ -118,8 +142,9 @@ def _release_adapters(engine: CpuEngine, adapters: list) -> None:
 
 def _released(engine: CpuEngine, path: str) -> Response:
     """A generation asked for while memory is released: SGLang would run its forward pass on freed GPU
-    memory (its /health generates one token), so this is an error in the reply and in the log, loud enough
-    for a test to catch any prober (liveness belongs on /model_info)."""
+    memory (its /health_generate, and /health with health generation on, generate one token), so this is an
+    error in the reply and in the log, loud enough for a test to catch any prober (liveness belongs on
+    /model_info)."""
     tags = sorted(engine.memory.released)
     message = (f"{path} ran a generation on released memory (tags {tags}): SGLang would run a forward pass on "
                f"freed GPU memory; resume the memory first, and probe liveness with /model_info")
