@@ -52,7 +52,7 @@ ROLE_SETTINGS = {
     "reference": "lower actor.logprob_micro_batch_size (the reference's micro-batches too), or set "
                  "actor.max_tokens_per_microbatch",
     "critic": "lower critic.ppo_micro_batch_size, or set critic.max_tokens_per_microbatch",
-    "reward_model": "lower reward_model.micro_batch_size (train-rm: reward_model.training.micro_batch_size), or "
+    "reward_model": "lower reward_model.micro_batch_size (train-rm: reward_model.train.micro_batch_size), or "
                     "set reward_model.max_tokens_per_microbatch",
     "sft_warmup": "lower actor.logprob_micro_batch_size (the warm-up's micro-batches), or set "
                   "actor.max_tokens_per_microbatch",

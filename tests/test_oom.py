@@ -9,15 +9,20 @@ would, to check the words Ray really uses for a worker that vanished.
 from __future__ import annotations
 
 import os
+import re
 import signal
+import typing
+from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 from ray.exceptions import ActorDiedError, GetTimeoutError, OutOfMemoryError, RayTaskError
 
 from megarl import cli
+from megarl.config import Recipe
 from megarl.cluster.worker_group import WorkerGroup
-from megarl.oom import RoleOutOfMemory, find_role_oom, memory_kill
+from megarl.oom import NODE_SETTINGS, ROLE_SETTINGS, RoleOutOfMemory, find_role_oom, memory_kill
 from megarl.rollout.fleet import RolloutFleet
 from megarl.rollout.fleet_member import DEAD, FleetMember
 from megarl.rollout.server_host import RayHost, ServerHost
@@ -308,3 +313,23 @@ def test_a_real_sigkilled_ray_actor_is_reported_with_its_rank(ray_session):
     finally:
         group.kill()
         pool.release()
+
+
+def _recipe_has(key: str) -> bool:
+    model: type[BaseModel] | None = Recipe
+    for part in key.split("."):
+        if model is None or part not in model.model_fields:
+            return False
+        annotation = model.model_fields[part].annotation
+        model = next((kind for kind in typing.get_args(annotation) or (annotation,)
+                      if isinstance(kind, type) and issubclass(kind, BaseModel)), None)
+    return True
+
+
+def test_every_setting_the_line_and_the_troubleshooting_page_name_is_a_recipe_key():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md").read_text()
+    section = page.split("## Ray out of memory", 1)[1].split("\n## ", 1)[0]
+    named = re.compile(r"\b(?:actor|critic|reference|reward_model|rollout|placement)\.[a-z_.]+[a-z_]")
+    keys = {key for text in [*ROLE_SETTINGS.values(), NODE_SETTINGS, section] for key in named.findall(text)}
+    assert {"actor.ppo_micro_batch_size", "rollout.max_concurrency", "placement.offload"} <= keys
+    assert [key for key in sorted(keys) if not _recipe_has(key)] == []
