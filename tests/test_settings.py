@@ -111,5 +111,6 @@ def test_nothing_past_config_reads_the_recipes_section(section):
                     and node.value.attr == section and isinstance(node.value.value, ast.Name)
                     and node.value.value.id == "recipe"):
                 reads.append(f"{path.relative_to(ROOT)}:{node.lineno}: recipe.{section}.{node.attr}")
-    allowed = {"megarl/bench/step_report.py", "megarl/bench/run.py"}  # the benchmark report prints the recipe
-    assert [read for read in reads if read.split(":")[0] not in allowed] == []
+    # The benchmark report prints the recipe; `megarl plan` sizes the recipe as written, before any engine exists.
+    allowed = {"megarl/bench/step_report.py", "megarl/bench/run.py"}
+    assert [read for read in reads if read.split(":")[0] not in allowed and not read.startswith("megarl/plan/")] == []
