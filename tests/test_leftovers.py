@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -44,6 +45,17 @@ def _dead_pid() -> tuple[int, float]:
     return process.pid, started
 
 
+def _zombie() -> subprocess.Popen:
+    """A child that has exited and that nothing has collected yet (what a killed run's process stays while the
+    host's init is slow to reap it)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while psutil.Process(process.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.01)
+    return process
+
+
 def test_a_run_removes_the_segments_its_killed_processes_left(tmp_path):
     footprint = Footprint(tmp_path)
     leaker = subprocess.Popen([sys.executable, "-c", LEAKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -68,13 +80,14 @@ def test_the_next_start_removes_what_a_dead_driver_left_and_only_that(tmp_path):
     driver, started = _dead_pid()
     worker, _ = _dead_pid()
     stranger, _ = _dead_pid()  # dead too, but not of this run
+    zombie = _zombie()  # exited, not yet collected: dead too
     temp_dir = tmp_path / "megarl-ray-dead"
     (temp_dir / "session_latest").mkdir(parents=True)
-    segments = {pid: SHM_DIR / f"torch_{pid}_1234_0" for pid in (worker, stranger, os.getpid())}
+    segments = {pid: SHM_DIR / f"torch_{pid}_1234_0" for pid in (worker, zombie.pid, stranger, os.getpid())}
     for segment in segments.values():
         segment.write_bytes(b"x")
     record = {"host": host_identity(), "driver": [driver, started], "ray_temp_dir": str(temp_dir),
-              "pids": [driver, worker, os.getpid()]}
+              "pids": [driver, worker, zombie.pid, os.getpid()]}
     try:
         # Another host's footprint (a run directory on a shared disk): its /dev/shm is not this one.
         (tmp_path / FOOTPRINT).write_text(json.dumps({**record, "host": "elsewhere/0"}))
@@ -86,10 +99,13 @@ def test_the_next_start_removes_what_a_dead_driver_left_and_only_that(tmp_path):
         # The dead driver's: its dead worker's segment and its temp dir go; a live process's (this one, listed
         # too) and a stranger's stay.
         (tmp_path / FOOTPRINT).write_text(json.dumps(record))
-        assert clear_dead_previous(tmp_path) == [str(segments[worker]), str(temp_dir)]
-        assert not segments[worker].exists() and not temp_dir.exists() and not (tmp_path / FOOTPRINT).exists()
+        assert sorted(clear_dead_previous(tmp_path)) == sorted([str(segments[worker]), str(segments[zombie.pid]),
+                                                                str(temp_dir)])
+        assert not segments[worker].exists() and not segments[zombie.pid].exists()
+        assert not temp_dir.exists() and not (tmp_path / FOOTPRINT).exists()
         assert segments[stranger].exists() and segments[os.getpid()].exists()
     finally:
+        zombie.wait()
         for segment in segments.values():
             segment.unlink(missing_ok=True)
 

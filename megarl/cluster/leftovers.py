@@ -37,8 +37,12 @@ WATCH_EVERY_S = 2.0
 
 
 def _started(pid: int) -> float | None:
+    """When `pid` started; None when it is gone or a zombie. A zombie has exited (only its status waits for its
+    parent or init to collect it, which on some hosts takes minutes): it holds no segment open, so it counts as
+    dead."""
     try:
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        return None if process.status() == psutil.STATUS_ZOMBIE else process.create_time()
     except psutil.Error:
         return None
 
@@ -116,9 +120,9 @@ class Footprint:
         self._stop.set()
         others = self.pids - {os.getpid()}
         deadline = time.monotonic() + wait_s
-        while any(psutil.pid_exists(pid) for pid in others) and time.monotonic() < deadline:
+        while any(_started(pid) is not None for pid in others) and time.monotonic() < deadline:
             time.sleep(0.1)
-        gone = {pid for pid in others if not psutil.pid_exists(pid)}
+        gone = {pid for pid in others if _started(pid) is None}
         removed = _remove(_segments_of(gone), None)
         self.path.unlink(missing_ok=True)
         return removed
