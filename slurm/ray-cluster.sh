@@ -77,8 +77,7 @@ megarl_ray_node() {
         pid=$!
         started=$SECONDS
         while kill -0 "$pid" 2>/dev/null && [ -z "$MEGARL_RAY_STOPPING" ]; do
-            sleep 0.5 &
-            wait $!
+            megarl_nap 0.5
         done
         if [ -n "$MEGARL_RAY_STOPPING" ]; then
             rc=0
@@ -137,10 +136,19 @@ megarl_wait() {
                 return 1
             fi
         done
-        sleep 0.2 &
-        wait $!
+        megarl_nap 0.2
     done
     wait "$pid"
+}
+
+# Sleep SECONDS, interruptibly: a trapped signal ends the wait at once (a plain `sleep` would hold its
+# trap until the sleep ends). The sleep itself is stopped then too, so nothing of this script outlives it.
+megarl_nap() {
+    local sleeper
+    sleep "$1" &
+    sleeper=$!
+    wait "$sleeper"
+    kill "$sleeper" 2>/dev/null
 }
 
 # Run one bring-up command in the background and wait for it (interruptibly); teardown stops it
