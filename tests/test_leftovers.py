@@ -114,3 +114,20 @@ def test_an_unreadable_footprint_is_ignored(tmp_path):
     (tmp_path / FOOTPRINT).write_text("{not json")
     assert clear_dead_previous(tmp_path) == []
     assert clear_dead_previous(Path(tmp_path / "no-such-run")) == []
+
+
+def test_release_waits_only_for_processes_that_made_segments(tmp_path):
+    # A run inside a longer-lived process (a test session's Ray) has children that never exit and made no
+    # segment: nothing of theirs is to be removed, so release does not wait for them.
+    footprint = Footprint(tmp_path)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        footprint.refresh()
+        assert bystander.pid in json.loads((tmp_path / FOOTPRINT).read_text())["pids"]
+        started = time.monotonic()
+        assert footprint.release(wait_s=30) == []
+        assert time.monotonic() - started < 10  # 30 s if it waited; a loaded machine's scheduling stays far below
+        assert bystander.poll() is None and not (tmp_path / FOOTPRINT).exists()
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -118,11 +118,14 @@ class Footprint:
         """After the run stopped what it started: remove the segments of its processes that are gone (waiting up
         to `wait_s` for them to exit) and the footprint; returns what was removed."""
         self._stop.set()
-        others = self.pids - {os.getpid()}
+        # Only processes that made segments are waited for: the others leave nothing here to remove (and a
+        # driver inside a longer-lived process, a test session's, has children that never exit).
+        made = _segments_of(self.pids - {os.getpid()})
+        owners = {int(_TORCH_SEGMENT.match(segment.name).group(1)) for segment in made}
         deadline = time.monotonic() + wait_s
-        while any(_started(pid) is not None for pid in others) and time.monotonic() < deadline:
+        while any(_started(pid) is not None for pid in owners) and time.monotonic() < deadline:
             time.sleep(0.1)
-        gone = {pid for pid in others if _started(pid) is None}
+        gone = {pid for pid in owners if _started(pid) is None}
         removed = _remove(_segments_of(gone), None)
         self.path.unlink(missing_ok=True)
         return removed
