@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -48,7 +50,8 @@ API_KEY = "cmdline-probe-7f3c9a2e41b8d605"
 
 class CommandLines:
     """Every command line on the machine, read from /proc every few milliseconds while in use: which held
-    `secret` (any local user can read them), and how many megarl server processes were seen at all."""
+    `secret` (any local user can read them), and which megarl server processes of this test process were seen
+    (its descendants: another worker of the test suite starts servers of its own meanwhile)."""
 
     def __init__(self, secret: str):
         self.secret, self.leaks, self.servers = secret, [], set()
@@ -72,8 +75,15 @@ class CommandLines:
                     continue  # the process ended meanwhile
                 if self.secret in line:
                     self.leaks.append(line)
-                if "megarl.rollout.cpu_engine" in line:
+                if "megarl.rollout.cpu_engine" in line and _below_this_process(int(path.parent.name)):
                     self.servers.add(path.parent.name)
+
+
+def _below_this_process(pid: int) -> bool:
+    try:
+        return os.getpid() in {parent.pid for parent in psutil.Process(pid).parents()}
+    except psutil.Error:
+        return False  # the process ended meanwhile
 
 
 def records(run_dir: Path) -> list[dict]:

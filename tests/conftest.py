@@ -99,7 +99,20 @@ def ppo_reference(ray_session, tmp_path_factory):
     return _e2e.reference_run("quickstart-ppo-cpu.yaml", _e2e.PPO, tmp_path_factory.mktemp("ppo_reference"))
 
 
+def pytest_configure(config):
+    # Under xdist, hand the groups out in our order (heaviest first, tests/_groups.py), not by number of tests.
+    if config.pluginmanager.hasplugin("xdist"):
+        config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    # On an xdist worker (`-n 2 --dist loadgroup`): before xdist reads the groups (tests/_groups.py).
+    if hasattr(config, "workerinput"):
+        import _groups
+
+        _groups.group_and_order(items)
+
     import torch
 
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

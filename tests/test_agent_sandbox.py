@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 
@@ -81,13 +84,44 @@ def test_misbehaving_tools_are_cut_off_and_their_worker_replaced(code, kind, mes
     assert (after.kind, after.text) == ("ok", "42")
 
 
-def test_a_fork_bomb_leaves_no_process_behind():
-    if not (GRANTED.pid and GRANTED.drop_to):
-        pytest.skip(f"no PID namespace or no separate user on this machine: {GRANTED.describe()}")
+@pytest.fixture
+def scratch(monkeypatch):
+    """A temp dir of the test's own, where its pools put their scratch roots: every call runs in a dir below it,
+    which tells this test's calls from those another worker of the test suite runs as the same user meanwhile.
+    Open to the sandbox's user on the way down, as /tmp is."""
+    root = tempfile.mkdtemp(prefix="megarl-sandbox-test-")
+    os.chmod(root, 0o711)
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    yield root + os.sep
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _sandboxed(scratch: str, *, zombies: bool) -> list[int]:
+    """The processes running as the sandbox's user that this test started: below this process (zombies too,
+    while a parent of ours has not collected them), or, once orphaned, working in one of its calls' scratch dirs
+    (as a call's forks do). Not those of another test running calls at the same time."""
     import psutil
 
-    def sandboxed() -> list[int]:  # the calls run as their own user: count that user's processes
-        return [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"].real == GRANTED.drop_to[0]]
+    ours = {process.pid for process in psutil.Process().children(recursive=True)}
+    found = []
+    for process in psutil.process_iter(["uids", "status"]):
+        try:
+            if (process.info["uids"] is None or process.info["uids"].real != GRANTED.drop_to[0]
+                    or (not zombies and process.info["status"] == psutil.STATUS_ZOMBIE)):
+                continue
+            if process.pid in ours or process.cwd().startswith(scratch):
+                found.append(process.pid)
+        except psutil.Error:
+            continue  # exited meanwhile
+    return sorted(found)
+
+
+def test_a_fork_bomb_leaves_no_process_behind(scratch):
+    if not (GRANTED.pid and GRANTED.drop_to):
+        pytest.skip(f"no PID namespace or no separate user on this machine: {GRANTED.describe()}")
+
+    def sandboxed() -> list[int]:  # the calls run as their own user: count this test's processes of that user
+        return _sandboxed(scratch, zombies=True)
 
     before = sandboxed()
     _, (bomb,) = _run(_with_pool([_python("import os\nwhile True:\n    try:\n        os.fork()\n"
@@ -97,16 +131,14 @@ def test_a_fork_bomb_leaves_no_process_behind():
     assert sandboxed() == before
 
 
-def test_a_killed_worker_takes_its_call_with_it():
+def test_a_killed_worker_takes_its_call_with_it(scratch):
     """The call's process runs as another user, which makes the kernel forget a parent-death signal set before the
     switch: it must be set after, or a worker killed mid-call leaves the tool running (here: for a minute)."""
     if not (GRANTED.pid and GRANTED.drop_to):
         pytest.skip(f"no PID namespace or no separate user on this machine: {GRANTED.describe()}")
-    import psutil
 
     def running_as_sandbox() -> list[int]:  # zombies excluded: who reaps an orphan is the system's init's business
-        return [p.pid for p in psutil.process_iter(["uids", "status"])
-                if p.info["uids"].real == GRANTED.drop_to[0] and p.info["status"] != psutil.STATUS_ZOMBIE]
+        return _sandboxed(scratch, zombies=False)
 
     async def scenario():
         pool = SandboxPool(tools=["python"], size=1, limits=Limits(**{**vars(LIMITS), "wall_s": 120, "cpu_s": 120}))

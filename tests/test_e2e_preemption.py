@@ -10,7 +10,9 @@ One run directory goes through four lives:
    get the SIGINT too and must survive it until the driver has saved.
 3. Resumed; SIGKILL while the checkpoint of step 4 is being written: the previous
    checkpoint stays complete, the half-written one has no marker.
-4. Resumed in this process: the half-written checkpoint is removed, step 4 is redone.
+4. Resumed and run to its end: the half-written checkpoint is removed, step 4 is redone, exit
+   status 0, and the finished run leaves no Ray temp dir (every run used to leave one; the life
+   has a TMPDIR of its own, which tells its dirs from other runs').
 After each life no process the run started is left (the multiprocessing children of Ray's
 workers included), and no shared-memory file of theirs.
 """
@@ -21,18 +23,18 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from megarl.config import load_recipe
 from megarl.controller.checkpointing import MARKER
 from megarl.controller.preemption import EXIT_PREEMPTED
-from megarl.controller.run import train
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
 REPO = Path(__file__).resolve().parents[1]
@@ -49,12 +51,12 @@ TORCH_SHM = re.compile(r"torch_(\d+)_")
 class Driver:
     """A `megarl train` process in its own session; remembers every process it ever had below it."""
 
-    def __init__(self, output_dir: Path, log: Path):
+    def __init__(self, output_dir: Path, log: Path, env: dict[str, str] | None = None):
         args = [sys.executable, "-m", "megarl.cli", "train", str(RECIPE), "--set", f"trainer.output_dir={output_dir}",
                 "--set", "name=run"]
         for setting in SETTINGS:
             args += ["--set", setting]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         self.log = log
         self.shm_before = set(os.listdir("/dev/shm"))
         self.process = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
@@ -143,7 +145,7 @@ def _steps_logged(run_dir: Path) -> list[int]:
 @pytest.mark.e2e
 @pytest.mark.dist
 @pytest.mark.slow
-def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(ray_session, tmp_path):
+def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path):
     run_dir = tmp_path / "run"
 
     # 1. SIGTERM to the driver's process group while step 2 generates.
@@ -190,10 +192,20 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(ray_session, tmp_
     assert partial.is_dir() and not (partial / MARKER).exists() and _complete_steps(run_dir) == [1, 3]
 
     # 4. Resumed from step 3: the torn save is gone, step 4 is redone and logged once; what the killed run left
-    #    on this host (its Ray temp dir, its processes' shared memory) is removed by this start.
+    #    on this host (its Ray temp dir, its processes' shared memory) is removed by this start. Ray's socket
+    #    paths must stay under 108 bytes: the life's own TMPDIR is short.
     life3_temp_dir = json.loads((run_dir / ".footprint.json").read_text())["ray_temp_dir"]
     assert Path(life3_temp_dir).is_dir()
-    train(load_recipe(RECIPE, [f"trainer.output_dir={tmp_path}", "name=run", *SETTINGS]))
+    scratch = Path(tempfile.mkdtemp(prefix="mr", dir="/tmp"))
+    driver = Driver(tmp_path, tmp_path / "life4.log", env={"TMPDIR": str(scratch)})
+    try:
+        assert driver.wait() == 0, driver.output()
+    finally:
+        alive, shm = driver.leftovers()
+        driver.kill_leftovers()
+    assert not alive and not shm, (alive, shm)
+    assert list(scratch.glob("megarl-ray-*")) == []
+    shutil.rmtree(scratch, ignore_errors=True)
     assert not Path(life3_temp_dir).exists()
     assert [name for name in life3_segments if os.path.exists(f"/dev/shm/{name}")] == []
     assert not partial.exists() and _complete_steps(run_dir) == [1, 3, 4]

@@ -184,3 +184,22 @@ def test_the_plan_runs_where_only_a_recipe_and_config_json_are():
             " or m.startswith(('megarl.engines', 'megarl.rollout', 'megarl.cluster', 'megarl.controller'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+HEAVY = ("torch", "transformers", "aiohttp", "uvicorn", "fastapi", "pydantic")
+
+
+def _heavy_modules_after(code: str) -> list[str]:
+    import subprocess
+    import sys
+
+    code += ("\nprint(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in %r} | {m for m in sys.modules "
+             "if m.startswith(('megarl.config', 'megarl.rollout.fleet', 'megarl.rollout.client'))}))" % (HEAVY,))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return result.stdout.strip().splitlines()
+
+
+def test_a_server_host_imports_no_torch():
+    """A rollout server's host (one Ray actor per server) imports no torch, transformers, aiohttp, fleet or
+    recipe schema: each would add seconds to every server's start."""
+    assert _heavy_modules_after("import sys, megarl.rollout.server_host") == ["[]"]

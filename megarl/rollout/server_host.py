@@ -33,7 +33,6 @@ from megarl.rollout.server import (
     spawn_server,
     write_secrets,
 )
-from megarl.rollout.sglang_launcher import sglang_server_argv
 
 LOOPBACK = "127.0.0.1"
 BACKENDS = ("cpu", "sglang")
@@ -201,6 +200,10 @@ class ServerHost:
             )
             # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
             return command, {"OMP_NUM_THREADS": str(spec.threads)}
+        # Imported here: its flag checks load the recipe schema (pydantic), which a host of CPU engines, a Ray
+        # actor started for each server, would import for nothing.
+        from megarl.rollout.sglang_launcher import sglang_server_argv
+
         command = sglang_server_argv(
             model_path=spec.model_path, host=self.address, port=self.port, tp_size=spec.tp,
             mem_fraction_static=spec.mem_fraction, config=config, weight_version=spec.weight_version,
