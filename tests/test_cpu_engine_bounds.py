@@ -145,19 +145,23 @@ def _run_server(*args) -> subprocess.CompletedProcess:
                           timeout=240)
 
 
-@pytest.mark.parametrize("case", ["tokenizer", "safetensors", "nan", "inf", "config-suffix", "config-missing",
-                                  "config-list", "zero-sequences"])
+@pytest.mark.parametrize("case", ["tokenizer", "safetensors", "model-config", "nan", "inf", "config-suffix",
+                                  "config-missing", "config-list", "zero-sequences"])
 def test_bad_start_up_arguments_are_one_line_exit_2(model_dir, tmp_path, case):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((model_dir / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(struct.pack("<Q", 999) + b"[1, 2")
+    (tmp_path / "unreadable").mkdir()
+    (tmp_path / "unreadable" / "config.json").write_text("{not a config")
     (tmp_path / "list.yaml").write_text("- api-key\n- k\n")
     (tmp_path / "args.json").write_text("{}")
     model = ["--model-path", str(model_dir)]
     args, needle = {
         "tokenizer": (model + ["--tokenizer-path", str(tmp_path / "nope")], "--tokenizer-path: "),
         "safetensors": (["--model-path", str(broken)], "is not a readable safetensors file"),
+        "model-config": (["--model-path", str(tmp_path / "unreadable")],
+                         f"{tmp_path / 'unreadable' / 'config.json'} is not an HF model config (JSONDecodeError"),
         "nan": (model + ["--weight-update-group-timeout-s", "nan"], "must be a positive number of seconds (got nan)"),
         "inf": (model + ["--health-check-timeout-s", "inf"], "--health-check-timeout-s: must be a positive number"),
         "config-suffix": (model + ["--config", str(tmp_path / "args.json")], "is not a YAML file"),

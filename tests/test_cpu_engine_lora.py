@@ -18,7 +18,7 @@ import torch
 
 from _http import call
 from _tiny import greedy_continuation
-from megarl.rollout.cpu_engine.__main__ import parse_args
+from megarl.rollout.cpu_engine.args import parse_args
 from megarl.rollout.weight_wire import entries_for_tp_ranks, tensor_checksum
 
 pytestmark = pytest.mark.dist

@@ -203,3 +203,17 @@ def test_a_server_host_imports_no_torch():
     """A rollout server's host (one Ray actor per server) imports no torch, transformers, aiohttp, fleet or
     recipe schema: each would add seconds to every server's start."""
     assert _heavy_modules_after("import sys, megarl.rollout.server_host") == ["[]"]
+
+
+def test_the_cpu_engine_checks_its_arguments_before_importing_torch(tmp_path):
+    """`python -m megarl.rollout.cpu_engine` reads config.json and the safetensors headers and refuses a bad
+    argument before torch, transformers or the server load: a refusal takes a fraction of a second."""
+    (tmp_path / "config.json").write_text("{}")
+    header = b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['cpu_engine', '--model-path', {str(tmp_path)!r}, '--tokenizer-path', {str(tmp_path / 'no')!r}]\n"
+            "try:\n    runpy.run_module('megarl.rollout.cpu_engine', run_name='__main__')\n"
+            "except SystemExit as exited:\n    print(exited.code)")
+    # The tokenizer directory is checked last, after config.json and every safetensors header were read.
+    assert _heavy_modules_after(code) == ["2", "[]"]

@@ -248,24 +248,6 @@ def parse_lora_path(spec: str) -> tuple[str, str, bool]:
     return text, text, False
 
 
-def check_lora_args(*, enable_lora: bool, lora_paths: list[str] | None, max_lora_rank: int | None,
-                    lora_target_modules: list[str] | None, max_loras_per_batch: int,
-                    max_loaded_loras: int | None) -> list[str]:
-    """SGLang's start-up checks of the LoRA server arguments (its messages); empty when they fit."""
-    if not (enable_lora or lora_paths):
-        return []
-    problems = []
-    if lora_target_modules and "all" in lora_target_modules and len(lora_target_modules) != 1:
-        problems.append("If 'all' is specified in --lora-target-modules, it should be the only module specified.")
-    if not lora_paths and not (max_lora_rank and lora_target_modules):
-        problems.append("When no initial --lora-paths is provided, you need to specify both --max-lora-rank and "
-                        "--lora-target-modules for LoRA initialization.")
-    if max_loaded_loras is not None and max_loaded_loras < max_loras_per_batch:
-        problems.append("max_loaded_loras should be greater than or equal to max_loras_per_batch. "
-                        f"max_loaded_loras={max_loaded_loras}, max_loras_per_batch={max_loras_per_batch}")
-    return problems
-
-
 def lora_serving_from_args(model: torch.nn.Module, args) -> LoraServing | None:
     """The server's LoRA serving (None without `--enable-lora` / `--lora-paths`), with the `--lora-paths` adapters
     loaded; an unset `--max-lora-rank` / `--lora-target-modules` is inferred from them, as SGLang does."""

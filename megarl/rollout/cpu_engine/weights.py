@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from megarl.rollout.cpu_engine.args import DTYPE_NAMES
 from megarl.rollout.weight_wire import skips_weight_check
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,8 @@ class WeightUpdateError(ValueError):
         super().__init__("; ".join(problems))
 
 
-# SGLang's --dtype names; "auto" keeps the checkpoint's torch_dtype.
-DTYPES = {"auto": "auto", "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16, "half": torch.float16}
+# SGLang's --dtype names -> torch dtypes; "auto" keeps the checkpoint's torch_dtype.
+DTYPES = {name: "auto" if dtype == "auto" else getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 
 
 def load_model(model_path: str | Path, *, dtype: str = "float32", attn_implementation: str = "sdpa") -> PreTrainedModel:
