@@ -21,6 +21,10 @@ TESTS = Path(__file__).resolve().parent
 # Session fixtures cheap enough for each worker to build its own (seconds): grouping their users would put
 # half the suite in one group.
 PER_WORKER = {"ray_session", "tokenizer"}
+# Session runs built once per test run across the workers (a file lock in the run's shared temp root,
+# tests/conftest.py): their users need no common group. The warm-up's users are the four heaviest modules
+# (about 1,100 s in all): one group would be most of one stream.
+ACROSS_WORKERS = {"warmed_quickstart"}
 # Seconds each module took in the serial suite (clean-clone CI of 2026-12-01, a quiet 2-core machine, to 5 s);
 # only their order matters. A module not listed: 20 s if it has a slow or e2e test, plus 0.2 s a test.
 MODULE_SECONDS = {
@@ -44,7 +48,7 @@ def _shared_runs(item: pytest.Item) -> set[str]:
     shared = set()
     for name, definitions in item._fixtureinfo.name2fixturedefs.items():
         fixture = definitions[-1]
-        if (fixture.scope == "session" and name not in PER_WORKER
+        if (fixture.scope == "session" and name not in PER_WORKER | ACROSS_WORKERS
                 and TESTS in Path(inspect.getfile(fixture.func)).resolve().parents):
             shared.add(name)
     # `_engine_jobs` runs its jobs once per process (functools.cache): the modules that import one share it.
@@ -92,5 +96,9 @@ def group_and_order(items: list[pytest.Item]) -> dict[str, float]:
         item.add_marker(pytest.mark.xdist_group(names[item.path.stem]))
         first.setdefault(names[item.path.stem], index)
     position = {id(item): index for index, item in enumerate(items)}
-    items.sort(key=lambda item: (-seconds[names[item.path.stem]], first[names[item.path.stem]], position[id(item)]))
+    # In a group, the tests that read a run shared across workers go last: by then the other worker,
+    # which may be building it, has likely finished (no module that has them holds a module fixture).
+    later = {id(item) for item in items if ACROSS_WORKERS & set(item.fixturenames)}
+    items.sort(key=lambda item: (-seconds[names[item.path.stem]], first[names[item.path.stem]],
+                                 id(item) in later, position[id(item)]))
     return seconds

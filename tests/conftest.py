@@ -72,13 +72,25 @@ def warmed_quickstart(ray_session, tmp_path_factory) -> Path:
     made once per session. The learning tests start RL from it (`model.path`, `sft_warmup.steps=0`), which is
     where their recipes' own warm-up would leave them: the GRPO, PPO and reward-model quickstarts share one
     model, one data set and one `sft_warmup`."""
+    from filelock import FileLock
+
     from megarl.commands.warmup import warm_up
     from megarl.config import load_recipe
 
-    root = tmp_path_factory.mktemp("warmed")
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml",
-                         [f"trainer.output_dir={root}", "trainer.logging.console=false"])
-    return warm_up(recipe, root / "hf")
+    # Made once per test run, also with two xdist workers: the first worker to ask builds it in the run's
+    # shared temp root under a file lock, the other waits and reads the same directory. Its users can then
+    # sit in different xdist groups (tests/_groups.py), which balances the two streams.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # every worker's basetemp lies in the run's one root
+    root, done = shared / "warmed", shared / "warmed.done"
+    with FileLock(str(shared / "warmed.lock")):
+        if not done.is_file():
+            shutil.rmtree(root, ignore_errors=True)  # what a worker that died while building left
+            recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml",
+                                 [f"trainer.output_dir={root}", "trainer.logging.console=false"])
+            done.write_text(str(warm_up(recipe, root / "hf")))
+    return Path(done.read_text())
 
 
 @pytest.fixture(scope="session")

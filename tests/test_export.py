@@ -1,13 +1,12 @@
 """HF export of a distributed checkpoint: a TP2xPP2 checkpoint (from the checkpoint job)
-exported by `export_checkpoint` in a fresh single CPU process, as the CLI runs it, then
+exported by `export_checkpoint` in a fresh single CPU process (a forked rank), as the CLI runs it, then
 loaded by HF transformers. The reference is the engine at save time: its weights and
 its logits (computed by Megatron at TP2xPP2)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,20 +14,20 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from _engine_jobs import checkpoint_job
+from _engine_spawn import run_captured
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # one shared multi-process job, 20-50 s
 
-_EXPORT = """
-import sys
-from pathlib import Path
-from megarl.engines.export import export_checkpoint
-from megarl.errors import InputError
-try:
-    export_checkpoint(Path(sys.argv[3]), Path(sys.argv[2]))
-except InputError as error:
-    print("InputError:", error)
-print("exported", export_checkpoint(Path(sys.argv[1]), Path(sys.argv[2])))
-"""
+
+def _export(ckpt_dir: str, out_dir: str, not_a_checkpoint: str) -> None:
+    from megarl.engines.export import export_checkpoint
+    from megarl.errors import InputError
+
+    try:
+        export_checkpoint(Path(not_a_checkpoint), Path(out_dir))
+    except InputError as error:
+        print("InputError:", error)
+    print("exported", export_checkpoint(Path(ckpt_dir), Path(out_dir)))
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +35,8 @@ def exported(tmp_path_factory):
     job = checkpoint_job()
     out_dir = tmp_path_factory.mktemp("export") / "hf"
     not_a_checkpoint = tmp_path_factory.mktemp("empty")
-    result = subprocess.run(
-        [sys.executable, "-c", _EXPORT, str(job["ckpt_dir"]), str(out_dir), str(not_a_checkpoint)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return job, out_dir, result.stdout
+    _, stdout, _ = run_captured(_export, str(job["ckpt_dir"]), str(out_dir), str(not_a_checkpoint))
+    return job, out_dir, stdout
 
 
 def test_export_writes_the_saved_weights_config_and_tokenizer(exported):

@@ -7,21 +7,20 @@ PPO step at TP2, save, second step (the reference); fresh engines with other ini
 adapters load the checkpoint at TP1 (DP2) and at TP2 and take the second step. At the
 saved layout everything is bitwise equal; at TP1 the TP2 partial sums are added in
 another order, so float32 noise (1e-6 relative) is allowed. Then the CLI exports the
-checkpoint in fresh processes, as a user runs it.
+checkpoint in a fresh process (a forked rank), through the CLI's `main` as a user runs it.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from _engine_spawn import run_spawned
+from _engine_spawn import run_captured, run_spawned
 from _lora_workers import lora_checkpoint_outputs
 from _tiny import padded_sequences, tiny_model
 from megarl.config.settings import LoraSettings
@@ -112,25 +111,21 @@ def test_mismatched_engines_refuse_the_checkpoint(job):
     assert follower is not None and "holds LoRA adapters without their base weights" in follower
 
 
-# The exports in one fresh process (each sets up and tears down its own process group), through the CLI's main;
-# the last asks for a full-weights export of the LoRA checkpoint.
-_EXPORTS = """
-import sys
-from megarl.cli import main
-ckpt, out = sys.argv[1:]
-codes = [main(["export", ckpt, flag, out + name]) for flag, name in (("--lora", "/peft"), ("--merge", "/merged"),
-                                                                     ("--hf", "/hf-export"))]
-print("exit codes", codes)
-"""
+def _exports(ckpt: str, out: str) -> list[int]:
+    """The exports in one fresh process (each sets up and tears down its own process group), through the CLI's
+    main; the last asks for a full-weights export of the LoRA checkpoint. Their exit codes."""
+    from megarl.cli import main
+
+    return [main(["export", ckpt, flag, out + name]) for flag, name in (("--lora", "/peft"), ("--merge", "/merged"),
+                                                                        ("--hf", "/hf-export"))]
 
 
 @pytest.fixture(scope="module")
-def exported(job) -> subprocess.CompletedProcess:
+def exported(job) -> SimpleNamespace:
     root = job["root"]
-    result = subprocess.run([sys.executable, "-c", _EXPORTS, str(root / "ckpt"), str(root)], capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0 and "exit codes [0, 0, 2]" in result.stdout, result.stderr[-3000:]
-    return result
+    codes, stdout, stderr = run_captured(_exports, str(root / "ckpt"), str(root))
+    assert codes == [0, 0, 2], stderr[-3000:]
+    return SimpleNamespace(stdout=stdout, stderr=stderr)
 
 
 def _logits(model, batch) -> torch.Tensor:
