@@ -32,8 +32,9 @@ SHORT = ["trainer.logging.console=false", f"sft_warmup.steps={WARMUP_STEPS}", "s
          "trainer.checkpoint.save_every=1", "trainer.checkpoint.keep_last=3", "trainer.samples.train_rows=2",
          "trainer.samples.val_rows=4"]
 # GRPO with KL in the loss: the reference role (and its checkpoint) is part of the run.
-GRPO = ["data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=16",
-        "actor.use_kl_loss=true"]
+GRPO_PROMPTS, GRPO_N = 8, 4
+GRPO = [f"data.train_batch_size={GRPO_PROMPTS}", f"rollout.n={GRPO_N}", "actor.ppo_mini_batch_size=16",
+        "actor.ppo_micro_batch_size=16", "actor.use_kl_loss=true"]
 # PPO with both KL options: in the reward with the adaptive controller (its coefficient moves every step), and
 # in the actor loss; the critic warm-up (step 1) freezes the actor.
 PPO_KL = dict(coef=0.01, target=0.05, horizon=2000)
@@ -103,13 +104,14 @@ class Run:
     def records(self) -> list[dict]:
         return records(self.run_dir)
 
-    def train(self, output_dir: Path, name: str, *more: str) -> Path:
-        """`megarl train` of the same recipe and overrides (then `more`) as run `name` in `output_dir`."""
+    def train(self, output_dir: Path, name: str, *more: str, on_phase=None) -> Path:
+        """`megarl train` of the same recipe and overrides (then `more`) as run `name` in `output_dir`;
+        `on_phase(step, phase)` hears every phase as it starts (`megarl.controller.run.train`)."""
         from megarl.config import load_recipe
         from megarl.controller.run import train
 
         return train(load_recipe(RECIPES / self.recipe, [f"trainer.output_dir={output_dir}", f"name={name}",
-                                                         *self.overrides, *more]))
+                                                         *self.overrides, *more]), on_phase=on_phase)
 
 
 def reference_run(recipe: str, overrides: list[str], output_dir: Path, *, watch: bool = False) -> Run:
