@@ -434,3 +434,36 @@ def spec_engine(checkpoint: str, transformer_impl: str):
 
     return PolicyEngine(hf_config=_hf_config(checkpoint), weights=checkpoint, seed=0, params_dtype="float32",
                         transformer_impl=transformer_impl, optimizer=optimizer(lr=0.0))
+
+
+def packed_attention_against_loop(*, rank: int, cu_seqlens: list[int], total: int) -> dict:
+    """`PackedDotProductAttention` on one packed row (GQA: 4 heads, 2 KV groups) beside a plain loop that
+    calls megatron's `DotProductAttention` once per sequence (zeros for the row padding): both contexts and
+    the gradients of q, k, v under the same random upstream gradient."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megarl.engines.attention import PackedDotProductAttention, packed_seq_params
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=16, attention_dropout=0.0)
+    torch.manual_seed(0)
+    qkv = [torch.randn(total, 1, heads, 16, requires_grad=True) for heads in (4, 2, 2)]
+    upstream = torch.randn(total, 1, 64)
+    bounds = torch.tensor(cu_seqlens)
+    out = {}
+    for name, cls in (("packed", PackedDotProductAttention), ("loop", DotProductAttention)):
+        attention = cls(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+        if name == "packed":
+            context = attention(*qkv, None, packed_seq_params=packed_seq_params(bounds))
+        else:
+            pieces = [attention(*(t[start:end] for t in qkv), None)
+                      for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]) if end > start]
+            context = torch.cat(pieces + [torch.zeros(total - cu_seqlens[-1], 1, 64)])
+        # An empty bin's context is constant zeros, so it has no graph and no gradient reaches q, k, v.
+        grads = torch.autograd.grad(context, qkv, upstream, allow_unused=True) if context.requires_grad else [None] * 3
+        out[name] = {"context": context.detach(),
+                     "grads": [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(grads, qkv)]}
+    return out

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from _engine_jobs import LAYOUTS, MATRIX_MODELS, PROMPT, WORLD_SIZE, matrix_job
+from _engine_spawn import run_spawned
+from _engine_workers import packed_attention_against_loop
 from megarl.data.padding import position_ids_from_mask
 from megarl.engines.packing import first_fit_decreasing, pack_rows, padding_fraction, split_to_count
 
@@ -142,3 +144,20 @@ def test_dp_ranks_agree_on_the_packed_micro_batch_count(results, layout):
     if dp_size == 4:
         # Two rows per DP rank, 16-token budget: the DP shares need 1 or 2 bins on their own.
         assert {c["packed"][0] for c in counts} == {2}
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens, total",
+    [([0, 5, 5, 12, 13, 20], 23),  # an empty and a one-token sequence, 3 tokens of row padding
+     ([0], 1)],  # an empty bin: one padding token, no sequence
+)
+def test_packed_attention_equals_one_call_per_sequence(cu_seqlens, total):
+    out = run_spawned(packed_attention_against_loop, cu_seqlens=cu_seqlens, total=total)[0]
+    packed, loop = out["packed"], out["loop"]
+    assert packed["context"].shape == (total, 1, 64)
+    assert torch.all(packed["context"][cu_seqlens[-1]:] == 0)
+    # float32, softmax over at most 7 keys: only the summation order differs (the padded keys' masked
+    # scores soften to exact zeros), so ~1e-7 relative noise.
+    assert torch.allclose(packed["context"], loop["context"], atol=1e-6, rtol=1e-5)
+    for got, expected in zip(packed["grads"], loop["grads"]):
+        assert torch.allclose(got, expected, atol=1e-6, rtol=1e-5)

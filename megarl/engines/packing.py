@@ -13,7 +13,7 @@ the real tokens of several sequences side by side, at most `max_tokens` tokens p
 - every other per-row tensor, indexed by the n rows it packs, and `valid_row` [n].
 
 Megatron's local attention has no THD/packed-sequence support; `attention` runs it once
-per sequence of the row instead.
+over the row's sequences gathered into a right-padded causal batch instead.
 """
 
 from __future__ import annotations

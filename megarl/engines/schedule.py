@@ -129,7 +129,7 @@ def make_micro_batches(
 
 def _forward_step(loss_fn: Callable, data_iterator: Iterator, model):
     mb = {key: value.to(device(), non_blocking=True) for key, value in next(data_iterator).items()}
-    if "cu_seqlens" in mb:  # packed: attention runs per sequence, no mask needed
+    if "cu_seqlens" in mb:  # packed: attention keeps each sequence to itself, no mask needed
         output = model(
             input_ids=mb["input_ids"],
             position_ids=mb["position_ids"],
