@@ -1,8 +1,9 @@
 """End to end: the disk of a run fills up while it runs (a small tmpfs; the tests run as root).
 
-`megarl train` writes step 1's checkpoint, then the disk is filled to 200 KB short of full: writing step 2's
-checkpoint fails. The run must say so in one line (which path, how much is free, what is intact) and exit
-with status 2, without a traceback; step 1's checkpoint stays complete and matches its digests, step 2 leaves
+`megarl train` writes step 1's checkpoint, then the disk is filled to 200 KB short of full: writing the next
+checkpoint fails (step 2's, or step 3's when the run, a step a second, saved step 2 before the filling was
+done). The run must say so in one line (which path, how much is free, what is intact) and exit with status 2,
+without a traceback; the checkpoints before it stay complete and match their digests, the failed one leaves
 no partial directory, and the failed run leaves neither its Ray temp dir nor a shared-memory segment of any
 of its processes behind.
 """
@@ -26,11 +27,14 @@ from megarl.controller.checkpointing import complete_steps, verify
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "quickstart-grpo-cpu.yaml"
-SETTINGS = ["name=run", "trainer.total_steps=3", "trainer.checkpoint.save_every=1", "trainer.checkpoint.keep_last=0",
+SETTINGS = ["name=run", "trainer.total_steps=6", "trainer.checkpoint.save_every=1", "trainer.checkpoint.keep_last=0",
             "sft_warmup.steps=0", "trainer.val_every=0", "trainer.val_before_train=false", "data.train_batch_size=8",
             "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size=64", "trainer.logging.console=false",
             "data.synthetic.num_train=200", "data.synthetic.num_val=10"]
 TORCH_SHM = re.compile(r"torch_(\d+)_")
+# A scan of the run's descendants reads every process's /proc entry (~10 ms on a busy machine): done every
+# RECORD_EVERY_S, while the step-1 checkpoint is looked for every POLL_S (the filling must follow it closely).
+POLL_S, RECORD_EVERY_S = 0.02, 0.25
 
 
 @pytest.fixture
@@ -75,17 +79,24 @@ def test_a_full_disk_is_named_exits_2_and_keeps_the_previous_checkpoint(disk):
                                env={**os.environ, "TMPDIR": str(scratch), "OMP_NUM_THREADS": "1",
                                     "PYTHONPATH": str(REPO)})
     run_dir, pids = disk / "run", {process.pid}
+
+    def record() -> None:
+        try:
+            pids.update(child.pid for child in psutil.Process(process.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+
     try:
-        deadline = time.monotonic() + 600
+        deadline, recorded = time.monotonic() + 600, 0.0
         while not complete_steps(run_dir):
             assert process.poll() is None, process.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "no step_1 checkpoint within 600 s"
-            try:
-                pids |= {child.pid for child in psutil.Process(process.pid).children(recursive=True)}
-            except psutil.NoSuchProcess:
-                pass
-            time.sleep(0.05)
+            if time.monotonic() - recorded >= RECORD_EVERY_S:
+                record()
+                recorded = time.monotonic()
+            time.sleep(POLL_S)
         _fill(disk, leave=200_000)
+        record()
         status = process.wait(timeout=600)
         stderr = process.stderr.read()
     finally:
@@ -94,12 +105,15 @@ def test_a_full_disk_is_named_exits_2_and_keeps_the_previous_checkpoint(disk):
     lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert status == 2 and "Traceback" not in stderr, (status, stderr[-3000:])
     (line,) = lines
-    step_1, step_2 = run_dir / "checkpoints" / "step_1", run_dir / "checkpoints" / "step_2"
-    assert re.fullmatch(rf"error: cannot write {step_2}: No space left on device \(\d+ KiB free on its disk, "
-                        rf"[\d.]+ MiB needed\); {step_1} is intact", line), line
-    (checkpoint,) = complete_steps(run_dir)
-    assert checkpoint.step == 1 and verify(checkpoint) == []
-    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step_1"]
+    # The first save after the filling failed; every one before it is whole (keep_last=0 keeps them all).
+    saved = complete_steps(run_dir)
+    intact, failed = saved[-1], run_dir / "checkpoints" / f"step_{saved[-1].step + 1}"
+    assert [checkpoint.step for checkpoint in saved] == list(range(1, intact.step + 1)) and intact.step < 6
+    assert re.fullmatch(rf"error: cannot write {failed}: No space left on device \(\d+ KiB free on its disk, "
+                        rf"[\d.]+ MiB needed\); {intact.path} is intact", line), line
+    assert all(verify(checkpoint) == [] for checkpoint in saved)
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == [
+        f"step_{step}" for step in range(1, intact.step + 1)]
     # Nothing of the failed run is left: its Ray temp dir, its processes' shared memory, its footprint.
     leaked = [name for name in set(os.listdir("/dev/shm")) - shm_before
               if (match := TORCH_SHM.match(name)) and int(match.group(1)) in pids]

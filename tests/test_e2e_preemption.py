@@ -46,6 +46,7 @@ SETTINGS = ["trainer.total_steps=4", "trainer.val_every=0", "sft_warmup.steps=5"
             "trainer.checkpoint.save_every=0", "trainer.checkpoint.keep_last=0", "trainer.logging.console=false",
             f"trainer.checkpoint.preempt_timeout_s={PREEMPT_TIMEOUT_S}"]
 TORCH_SHM = re.compile(r"torch_(\d+)_")
+RECORD_EVERY_S = 0.25
 
 
 class Driver:
@@ -64,13 +65,21 @@ class Driver:
         self.pids = {self.process.pid}
 
     def watch(self, until, timeout_s: float = 300.0) -> None:
-        """Poll (recording descendants) until `until()` is true; fail if the driver exits first."""
+        """Poll until `until()` is true, recording descendants meanwhile; fail if the driver exits first.
+        `until` is checked every 10 ms (the signal must land inside a phase); the descendants only every
+        RECORD_EVERY_S, because a scan reads every process's /proc entry (~10 ms with the suite's other
+        stream running, so scanning at 100 Hz took half a core): a process that stays is seen by a later scan,
+        and Ray's daemons outlive the `ray start` they are reparented from by far longer than that."""
         deadline = time.monotonic() + timeout_s
+        recorded = 0.0
         while not until():
-            self._record()
+            if time.monotonic() - recorded >= RECORD_EVERY_S:
+                self._record()
+                recorded = time.monotonic()
             assert self.process.poll() is None, f"driver exited with {self.process.returncode}:\n{self.output()}"
             assert time.monotonic() < deadline, f"timed out; driver output:\n{self.output()}"
             time.sleep(0.01)
+        self._record()
 
     def _record(self) -> None:
         try:

@@ -12,7 +12,8 @@ holds optimizer + LR schedule, `lora` puts tensor-parallel LoRA adapters on a fr
 `critic.ValueEngine` the critic, both on `engine_base.MegatronEngine` (micro-batching,
 forward passes over rows, epochs of mini-batches, checkpoints).
 On a CPU-only machine `cpu_compat` makes megatron run there; importing this package
-installs its process-wide torch.cuda stubs first, so they precede every megatron import.
+installs its process-wide torch.cuda stubs first, so they precede every megatron import, then imports
+megatron.core with `lazy_compile.deferred_compile` (its import-time torch.compile wrappers cost each rank ~3 s).
 """
 
 import warnings
@@ -28,3 +29,9 @@ quiet_third_parties()  # in each engine worker too: it inherits MEGARL_VERBOSE
 from megarl.engines import cpu_compat  # noqa: E402  (after the filter, before any megatron import)
 
 cpu_compat.install_stubs()
+
+from megarl.engines.lazy_compile import deferred_compile  # noqa: E402
+
+# Megatron's import builds torch.compile wrappers for kernels megarl never calls: built at first call instead.
+with deferred_compile():
+    import megatron.core  # noqa: E402, F401
