@@ -5,9 +5,12 @@ and a block-diagonal mask over a packed row of T tokens would cost O(T^2) attent
 for sequences that only need O(sum of length^2). `PackedDotProductAttention` replaces
 the local spec's core attention: without `packed_seq_params` it is megatron's class
 unchanged (padding masks, left/right padding); with them (`qkv_format="sbhd"`,
-`cu_seqlens_q` = sequence boundaries in the row) it gathers the row's n sequences into
-one right-padded batch [L_max, n, heads, dim], calls megatron's attention once with its
-default causal mask, and gathers each real token's context back into packed order.
+`cu_seqlens_q` = sequence boundaries in the row) it gathers the row's sequences of each
+length class [2^b, 2^(b+1)) into one right-padded batch [L_max, n, heads, dim], calls
+megatron's attention once per class with its default causal mask, and puts each real
+token's context back into packed order (a class costs at most 4x the scores of one call
+per sequence; one batch for the whole row would cost up to n times more when a long
+sequence shares its row with many short ones).
 Right padding sits after every real token of its sequence, so the causal mask hides it
 from them: a real token still attends exactly to its own sequence's earlier tokens, as
 one call per sequence would, and its masked scores soften to exact zeros either way (the
@@ -45,26 +48,43 @@ class PackedDotProductAttention(DotProductAttention):
         keep = lengths > 0
         starts, lengths = starts[keep], lengths[keep]
         real = int(bounds[-1])
-        tail = query.new_zeros(total - real, 1, self.hidden_size_per_partition)
         if len(lengths) == 0:
-            return tail
-        width = int(lengths.max())
-        # padded[j, k] = packed position of token j of sequence k; slots past a sequence's end
-        # repeat its last token (finite values, causally hidden from its real tokens).
+            return query.new_zeros(total, 1, self.hidden_size_per_partition)
+        # One call per length class [2^b, 2^(b+1)): a class of n sequences costs n * L_max^2 scores per head,
+        # at most 4x the sum of its length^2 that one call per sequence would cost, so a long sequence never
+        # pads many short ones up to its length (a packed row mixes both).
+        classes = torch.floor(torch.log2(lengths.to(torch.float64))).long()
+        contexts, positions = [], []
+        for length_class in torch.unique(classes).tolist():
+            members = classes == length_class
+            context, position = self._padded_batch(query, key, value, starts[members], lengths[members],
+                                                   attn_mask_type, attention_bias)
+            contexts.append(context)
+            positions.append(position)
+        order = torch.cat(positions)
+        contexts = torch.cat(contexts)
+        # Every real token belongs to one sequence: `order` is a permutation of 0..real-1.
+        packed = contexts.new_empty(real, contexts.shape[1]).index_copy(0, order, contexts)
+        tail = query.new_zeros(total - real, self.hidden_size_per_partition)
+        return torch.cat([packed, tail]).unsqueeze(1)
+
+    def _padded_batch(self, query, key, value, starts, lengths, attn_mask_type, attention_bias):
+        """Megatron's attention once over the sequences at `starts` (`lengths`) as one right-padded batch
+        [L_max, n, ...]: (each real token's context [tokens, hp], that token's packed position)."""
+        count, width = len(lengths), int(lengths.max())
+        # padded[j, k] = packed position of token j of sequence k; slots past a sequence's end repeat its
+        # last token (finite values, causally hidden from its real tokens).
         offsets = torch.arange(width, device=query.device)
         padded = starts + torch.minimum(offsets[:, None], lengths - 1)
-        # The causal padded batch costs O(n * L_max^2) scores per head, as n fixed rows of the
-        # row's longest length would: bounded by the row's token budget through n and L_max, the
-        # same order as one call per sequence (sum of length^2) when the row's lengths are alike,
-        # up to n times more when one long sequence shares its row with many short ones.
         context = super().forward(
             query[padded, 0], key[padded, 0], value[padded, 0], None, attn_mask_type, attention_bias
         )  # [L_max, n, hp]
-        # Packed token t of sequence k sits at slot (t - start_k, k) of the flattened [L_max * n] batch.
-        sequence = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths)
-        slot = (torch.arange(real, device=query.device) - starts[sequence]) * len(lengths) + sequence
-        gathered = context.reshape(width * len(lengths), -1).index_select(0, slot)
-        return torch.cat([gathered.unsqueeze(1), tail])
+        # Token j of sequence k sits at slot j * n + k of the flattened [L_max * n] batch.
+        sequence = torch.repeat_interleave(torch.arange(count, device=query.device), lengths)
+        first = torch.cumsum(lengths, 0) - lengths
+        within = torch.arange(int(lengths.sum()), device=query.device) - first[sequence]
+        context = context.reshape(width * count, -1).index_select(0, within * count + sequence)
+        return context, starts[sequence] + within
 
 
 def packed_seq_params(cu_seqlens: Tensor) -> PackedSeqParams:
