@@ -4,6 +4,7 @@ returns plain tensors/dicts; all assertions against references happen in the tes
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 
 import torch
@@ -274,6 +275,9 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
     engine = policy_engine(checkpoint, optim=optimizer(**train))
     out["metrics_1"] = step(engine)
     engine.save_checkpoint(ckpt_dir)
+    # What a save leaves running in this rank: megatron's writers are joined; its spawn-started results
+    # Manager (a process of its own) must not have been started (megarl.engines.checkpoint).
+    out["children_after_save"] = [child.name for child in multiprocessing.active_children()]
     out["rng_after_save"] = draws()
     out["saved_weights"], out["saved_log_probs"] = engine.hf_state_dict(), eval_log_probs(engine)
     out["saved_logits"] = full_logits(engine, inputs)

@@ -30,6 +30,8 @@ def test_metadata_records_config_tokenizer_and_layout(job):
     assert info["params_dtype"] == "float32" and info["has_optimizer"] is True
     assert info["saved_layout"] == {"tp": 2, "pp": 2, "vpp": 1, "dp": 1, "world_size": 4}
     assert (job["ckpt_dir"] / "metadata.json").is_file()  # megatron's own
+    # A synchronous save starts no process that outlives it on any rank (no spawn-started results Manager).
+    assert [rank_out["children_after_save"] for rank_out in job["out"]] == [[]] * 4
 
 
 def test_rank_rng_states_are_restored_at_the_saved_layout_only(job):

@@ -29,16 +29,18 @@ settings under `lora` in `megarl_checkpoint.json` (its `base`: the HF dir, or th
 random base), so a checkpoint weighs megabytes. Adapters are stored under global keys, split
 as their linears' weights are, so they too load at any layout.
 
-Save and load are collectives over all ranks of the engine. Trap: the
-save starts a spawn-based multiprocessing Manager, so a plain script that saves must
-guard its entry point with `if __name__ == "__main__":`; Ray actors and
-`multiprocessing.spawn` workers already are safe.
+Save and load are collectives over all ranks of the engine. A save is synchronous: megatron's
+writer hands its results from one function to the next in this process through an in-process
+queue (`_in_process_write_results`), not through the spawn-started multiprocessing Manager it
+would start otherwise (a whole Python process per rank, ~5 CPU s at its first save, and a script
+that saves would have to guard its entry point with `if __name__ == "__main__":`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,20 @@ from megarl.models.spec import arch_from_hf
 
 METADATA_FILE = "megarl_checkpoint.json"
 FORMAT_VERSION = 1
+
+
+def _in_process_write_results() -> None:
+    """Give megatron's torch_dist writer an in-process queue for its write results.
+
+    `FileSystemWriterAsync` takes that queue from a multiprocessing Manager started with spawn (once per
+    process: a fresh interpreter that imports torch, ~5 CPU s per rank; 46 of them in one test suite run) so
+    that an asynchronous save, run in another process, can report back. megarl saves synchronously:
+    `write_preloaded_data_multiproc` puts the results and `retrieve_write_results` takes them, both in this
+    process, so a `queue.Queue` carries them. The writer's own file-writing children keep their queue."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 @dataclass(frozen=True)
@@ -210,6 +226,7 @@ def save_checkpoint(
         state["optimizer"] = train.optimizer.sharded_state_dict(model_state, is_loading=False)
     if train is not None:
         state["scheduler"] = train.scheduler.state_dict()
+    _in_process_write_results()
     dist_checkpointing.save(state, str(ckpt_dir))
     _barrier()
     if is_writer:
