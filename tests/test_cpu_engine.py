@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from _http import call as http_call, weight_checksums
-from _tiny import greedy_continuation
+from _tiny import greedy_continuation, served_model
 from megarl.ports import free_port
 from megarl.rollout.server import ServerStartError, start_cpu_engine
 from megarl.rollout.weight_wire import new_update_group, serialize_named_tensors
@@ -31,23 +31,6 @@ VOCAB = 512
 EOS_PROMPT = [5, 17, 42]
 EOS_STEP = 3
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [100, 200, 300, 400, 500, 11, 12], [3]]
-
-
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=256,
-    )
-
-
-def build_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_config()).eval()
 
 
 def reference_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
@@ -76,7 +59,7 @@ def model_dirs(tmp_path_factory):
     """The served model + tokenizer (EOS chosen so greedy decoding of EOS_PROMPT hits it at EOS_STEP), and a
     second model with other weights."""
     root = tmp_path_factory.mktemp("cpu_engine_models")
-    model = build_model(0)
+    model = served_model(0)
     continuation = greedy_continuation(model, EOS_PROMPT, EOS_STEP + 1)
     eos = continuation[EOS_STEP]
     assert eos not in continuation[:EOS_STEP], "pick another EOS_STEP: the EOS token would appear earlier"
@@ -84,7 +67,7 @@ def model_dirs(tmp_path_factory):
     model.generation_config.eos_token_id = eos
     model.save_pretrained(root / "base")
     word_tokenizer(eos).save_pretrained(root / "base")
-    other = build_model(1)
+    other = served_model(1)
     other.config.eos_token_id = eos
     other.generation_config.eos_token_id = eos
     other.save_pretrained(root / "other")
@@ -562,7 +545,7 @@ def test_dtype_serves_in_the_checkpoints_or_the_given_dtype_and_refuses_lossy_up
     from megarl.rollout.weight_wire import held_checksum
     from megarl.rollout.cpu_engine.weights import WeightUpdateError, apply_named_tensors, load_model
 
-    build_model(2).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    served_model(2).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     assert load_model(tmp_path / "bf16").model.norm.weight.dtype == torch.float32  # the CPU default
     model = load_model(tmp_path / "bf16", dtype="auto")
     assert {tensor.dtype for tensor in model.state_dict().values()} == {torch.bfloat16}

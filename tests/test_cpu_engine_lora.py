@@ -17,13 +17,12 @@ import pytest
 import torch
 
 from _http import call
-from _tiny import greedy_continuation
+from _tiny import greedy_continuation, served_model
 from megarl.rollout.cpu_engine.args import parse_args
 from megarl.rollout.weight_wire import entries_for_tp_ranks, tensor_checksum
 
 pytestmark = pytest.mark.dist
 peft = pytest.importorskip("peft")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [100, 200, 300, 11]]
 STEPS = 6
@@ -44,10 +43,7 @@ def _adapted(model, *, rank: int, targets: list[str], seed: int):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, cpu_engine):
     root = tmp_path_factory.mktemp("cpu-engine-lora")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=128,
-                                         max_position_embeddings=256)).eval()
+    model = served_model(0)  # the rollout tests' served Llama
     model.save_pretrained(root / "base")
     adapted = _adapted(model, rank=4, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"], seed=1)

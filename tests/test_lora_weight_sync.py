@@ -22,7 +22,6 @@ from _tiny import greedy_continuation, tiny_model
 from megarl.config.settings import LoraSettings
 from megarl.models import arch_from_hf
 from megarl.models.lora import TARGETS, initial_adapters
-from megarl.rollout.server import start_cpu_engine
 from megarl.rollout.weight_wire import lora_adapter_name
 from test_lora_engine import peft_model
 
@@ -41,14 +40,14 @@ def _version(arch, seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def synced(tmp_path_factory):
+def synced(tmp_path_factory, cpu_engine):
     root = tmp_path_factory.mktemp("lora-sync")
     model = tiny_model("llama", seed=6, attn_implementation="eager")
     model.save_pretrained(root / "hf")
     arch = arch_from_hf(model.config.to_dict())
     handles = {
-        "merged": start_cpu_engine(root / "hf", api_key=API_KEY, log_path=root / "merged.log"),
-        "adapter": start_cpu_engine(root / "hf", api_key=API_KEY, log_path=root / "adapter.log", enable_lora=True,
+        "merged": cpu_engine(root / "hf", api_key=API_KEY, log_path=root / "merged.log"),
+        "adapter": cpu_engine(root / "hf", api_key=API_KEY, log_path=root / "adapter.log", enable_lora=True,
                                     max_lora_rank=4, lora_target_modules=["all"]),
     }
     urls = {name: handle.url for name, handle in handles.items()}
@@ -56,14 +55,10 @@ def synced(tmp_path_factory):
     versions = {version: (adapters[version], {"merged": (urls["merged"], "merged", "tensor"),
                                               "adapter": (urls["adapter"], "adapter", transport)})
                 for version, transport in ((1, "tensor"), (2, "disk"))}
-    try:
-        out = run_spawned(lora_sync_pushes, world_size=2, layout={"tp": 2, "pp": 1}, timeout_s=300,
-                          checkpoint=str(root / "hf"), settings=SETTINGS, versions=versions, api_key=API_KEY,
-                          disk_dir=str(root / "sync"), prompts=PROMPTS, steps=STEPS)[0]
-        yield {"root": root, "model": model, "arch": arch, "adapters": adapters, "urls": urls, **out}
-    finally:
-        for handle in handles.values():
-            handle.stop()
+    out = run_spawned(lora_sync_pushes, world_size=2, layout={"tp": 2, "pp": 1}, timeout_s=300,
+                      checkpoint=str(root / "hf"), settings=SETTINGS, versions=versions, api_key=API_KEY,
+                      disk_dir=str(root / "sync"), prompts=PROMPTS, steps=STEPS)[0]
+    return {"root": root, "model": model, "arch": arch, "adapters": adapters, "urls": urls, **out}
 
 
 @pytest.mark.parametrize("version", [1, 2])
