@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 from _http import call as http_call
-from test_cpu_engine import API_KEY, VOCAB, build_model, call, word_tokenizer
+from _tiny import served_model
+from test_cpu_engine import API_KEY, VOCAB, call, word_tokenizer
 
 
 pytestmark = [pytest.mark.robust, pytest.mark.dist]
@@ -34,7 +35,7 @@ MAX_REPLY_ENTRIES = 5_000
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("bounds_model")
-    build_model(0).save_pretrained(root)
+    served_model(0).save_pretrained(root)
     word_tokenizer(eos=2).save_pretrained(root)
     return root
 

@@ -18,7 +18,8 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_cpu_engine import API_KEY, VOCAB, build_model, call, word_tokenizer
+from _tiny import served_model
+from test_cpu_engine import API_KEY, VOCAB, call, word_tokenizer
 from test_weight_wire import gadgets
 
 from megarl.ports import free_port
@@ -35,7 +36,7 @@ GROUP_TIMEOUT_S = 3.0
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("robust_model")
-    build_model(0).save_pretrained(root)
+    served_model(0).save_pretrained(root)
     word_tokenizer(eos=2).save_pretrained(root)
     return root
 
