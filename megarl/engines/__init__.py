@@ -14,7 +14,7 @@ forward passes over rows, epochs of mini-batches, checkpoints).
 On a CPU-only machine `cpu_compat` makes megatron run there; importing this package
 installs its process-wide torch.cuda stubs first, so they precede every megatron import, then imports
 megatron.core with `lazy_compile.deferred_compile` (its import-time torch.compile wrappers cost each rank ~3 s)
-and `megatron_wandb.wandb_hidden` (its optional W&B logging, unused here, ~1 s).
+and `megatron_loggers.loggers_hidden` (its optional W&B and TensorBoard logging, unused here, ~1.5 s).
 """
 
 import warnings
@@ -32,9 +32,9 @@ from megarl.engines import cpu_compat  # noqa: E402  (after the filter, before a
 cpu_compat.install_stubs()
 
 from megarl.engines.lazy_compile import deferred_compile  # noqa: E402
-from megarl.engines.megatron_wandb import wandb_hidden  # noqa: E402
+from megarl.engines.megatron_loggers import loggers_hidden  # noqa: E402
 
 # Megatron's import builds torch.compile wrappers for kernels megarl never calls: built at first call instead.
-# It also imports wandb for a logging path megarl never takes.
-with deferred_compile(), wandb_hidden():
+# It also imports W&B and TensorBoard for a logging path megarl never takes.
+with deferred_compile(), loggers_hidden():
     import megatron.core  # noqa: E402, F401
