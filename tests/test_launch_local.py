@@ -43,8 +43,10 @@ def test_local_launcher_refuses_bad_input_before_starting_anything(tmp_path):
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_local_launcher_runs_a_recipe_and_stops_what_it_started(tmp_path):
+    # No checkpoint: nothing here reads it, and its save is seconds of the run.
     launched = _local(tmp_path, "trainer.total_steps=1", "trainer.val_every=0", "sft_warmup.steps=0",
-                      "data.synthetic.num_train=128", "trainer.logging.console=false")
+                      "data.synthetic.num_train=128", "trainer.logging.console=false",
+                      "trainer.checkpoint.enabled=false")
     output = launched.stdout + launched.stderr
     assert launched.returncode == 0, output[-4000:]
     records = [json.loads(line) for line in (tmp_path / "local" / "metrics.jsonl").read_text().splitlines()]
