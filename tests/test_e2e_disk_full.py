@@ -35,6 +35,7 @@ TORCH_SHM = re.compile(r"torch_(\d+)_")
 # A scan of the run's descendants reads every process's /proc entry (~10 ms on a busy machine): done every
 # RECORD_EVERY_S, while the step-1 checkpoint is looked for every POLL_S (the filling must follow it closely).
 POLL_S, RECORD_EVERY_S = 0.02, 0.25
+LEAVE = 200_000  # bytes left free: room for a log line, not for a checkpoint
 
 
 @pytest.fixture
@@ -52,10 +53,13 @@ def disk(tmp_path):
 
 
 def _fill(disk: Path, *, leave: int) -> None:
-    """Fill `disk` up to `leave` bytes short of full, also when the run writes meanwhile (then the write falls
-    short or finds no room at all, and gives `leave` bytes back)."""
+    """Fill `disk` up to `leave` bytes short of full (adding to its filler), also when the run writes meanwhile
+    (then the write falls short or finds no room at all, and the filler gives `leave` bytes back)."""
     size = shutil.disk_usage(disk).free - leave
-    with open(disk / "filler", "wb", buffering=0) as filler:
+    if size <= 0:
+        return
+    with open(disk / "filler", "ab", buffering=0) as filler:
+        before = filler.tell()
         try:
             written = filler.write(b"\0" * size)
         except OSError as error:
@@ -63,7 +67,7 @@ def _fill(disk: Path, *, leave: int) -> None:
                 raise
             written = 0
         if written < size:
-            filler.truncate(max(written - leave, 0))
+            filler.truncate(max(before + written - leave, 0))
 
 
 @pytest.mark.robust
@@ -95,9 +99,19 @@ def test_a_full_disk_is_named_exits_2_and_keeps_the_previous_checkpoint(disk):
                 record()
                 recorded = time.monotonic()
             time.sleep(POLL_S)
-        _fill(disk, leave=200_000)
-        record()
-        status = process.wait(timeout=600)
+        _fill(disk, leave=LEAVE)
+        # Room the run gives back (a save's temporary files) is filled again, so a later save still meets a full
+        # disk: once, the run freed what it held while the filler found no room, and all its saves succeeded.
+        deadline = time.monotonic() + 600
+        while process.poll() is None:
+            assert time.monotonic() < deadline, "the run did not end within 600 s of the filling"
+            if shutil.disk_usage(disk).free > 2 * LEAVE:
+                _fill(disk, leave=LEAVE)
+            if time.monotonic() - recorded >= RECORD_EVERY_S:
+                record()
+                recorded = time.monotonic()
+            time.sleep(POLL_S)
+        status = process.returncode
         stderr = process.stderr.read()
     finally:
         process.kill()
