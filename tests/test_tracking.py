@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 
 import numpy as np
 import pytest
@@ -133,3 +134,14 @@ def test_the_warm_up_writes_its_own_metrics_and_progress_and_leaves_the_step_rec
     assert [line.split("  ")[0] for line in err] == [f"sft warm-up 1/{limit}", f"sft warm-up {SFT_EVERY}/{limit}",
                                                       f"sft warm-up {limit}/{limit}", "step 1/4"]
     assert err[2].startswith(f"sft warm-up {limit}/{limit}  loss {1.0 / limit:.4f}  elapsed ")
+
+
+def test_a_resumed_event_file_is_made_in_a_later_second_than_the_one_it_continues(tmp_path):
+    # TensorBoard reads event files in name order, and the name's last part is a per-process counter that sorts
+    # 10 before 9: a resume made by the same process within the same second would be read first (CI of d897649).
+    from megarl.tracking.tracker import _after_the_newest_event_file
+
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now}.host.1.9").write_bytes(b"")
+    _after_the_newest_event_file(tmp_path)
+    assert time.time() >= now + 1

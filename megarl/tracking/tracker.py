@@ -53,6 +53,17 @@ def _as_float(value) -> float:
     return value if math.isfinite(value) else float("nan")
 
 
+def _after_the_newest_event_file(log_dir: Path) -> None:
+    """Wait until the second after the newest event file in `log_dir` was made. TensorBoard reads a directory's
+    event files in name order, and a name is `events.out.tfevents.<second>.<host>.<pid>.<counter>`: a resume made
+    within the same second by the same process (an in-process run resumed at once) could sort before the file it
+    continues when its counter goes from 9 to 10, and the purge of the redone steps would then apply backwards."""
+    seconds = [int(part) for path in log_dir.glob("events.out.tfevents.*")
+               if (part := path.name.split(".")[3]).isdigit()]
+    while seconds and time.time() < max(seconds) + 1:
+        time.sleep(0.05)
+
+
 class Tracker:
     """Fan-out of step metrics to the enabled sinks."""
 
@@ -80,6 +91,8 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = {"purge_step": resume_step + 1} if resume_step is not None else {}
+            if resume_step is not None:
+                _after_the_newest_event_file(self.run_dir / "tensorboard")
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), **purge)
         self._wandb = wandb
         self._console = progress_console(total_steps, resume_step) if console else None
