@@ -1,8 +1,8 @@
 """Benchmark: what a colocated trainer leaves on the device when the rollout fleet starts, old order against new.
 
-SGLang sizes its KV cache once, at start-up, from the memory free on the device:
-`rest = free after loading its weights - total x (1 - mem_fraction)` (0.5.23,
-`mem_cache/kv_cache_configurator.py`). megarl used to start the fleet while the engines
+SGLang sizes its KV cache once, at start-up, from the memory free on the device when it
+starts (F): `pool = mem_fraction x F - its weights` (0.5.23,
+`mem_cache/kv_cache_configurator.py`; `megarl.plan.kv_cache.pool_bytes`). megarl used to start the fleet while the engines
 still held their weights, gradient buffers, fp32 main weights and Adam moments; now
 every engine is offloaded first (`MemoryCycle.sleep_all`), so the fleet sees the whole
 device.
@@ -93,9 +93,8 @@ def engine_rank(rank: int, port: int, config: dict, out: str) -> None:
 
 
 def kv_cache_gib(*, device_gib: float, mem_fraction: float, server_weights_gib: float, trainer_gib: float) -> float:
-    """SGLang's rule: free memory after the server's weights, less the share it leaves to others."""
-    free = device_gib - trainer_gib - server_weights_gib
-    return free - device_gib * (1 - mem_fraction)
+    """SGLang's rule: `mem_fraction` of what the trainer leaves free, less the server's weights."""
+    return mem_fraction * (device_gib - trainer_gib) - server_weights_gib
 
 
 def main() -> None:

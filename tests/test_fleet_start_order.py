@@ -1,8 +1,8 @@
 """Colocated start-up: every engine is off its device before the rollout fleet starts, and the first sync wakes
 the actor alone; a server restarted later is re-synced the same way, on the driver's thread.
 
-SGLang sizes its KV cache from the device memory free when it starts (what is left
-after its weights, less (1 - mem_fraction) of the device): an engine still holding its
+SGLang sizes its KV cache from the device memory free when it starts (mem_fraction of
+it, less its weights): an engine still holding its
 weights, gradients and optimizer state then takes its footprint out of the cache for
 the whole run. `_start_roles` runs here with recording stand-ins for the engine groups
 and the fleet (nothing else of the run is faked), on the PPO quickstart (actor, critic

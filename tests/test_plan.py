@@ -26,21 +26,21 @@ def _plan(recipe_path: Path, gpu: str, *overrides: str):
 
 def test_the_kv_pool_follows_sglangs_rule():
     """Qwen3-8B on a TP2 server: 36 layers x (8 KV heads / 2) x 128 x 2 (K, V) x 2 bytes = 72 KiB per token; the
-    pool is mem_fraction x device - weights - what the device already holds."""
+    pool is mem_fraction x what is free when the server starts - its weights."""
     arch = arch_from_hf(load_recipe(GRPO_8B).model.hf_config())
-    device, weights_per_gpu = 80 * GIB, 8_190_735_360 * 2 // 2  # Qwen3-8B: 8.19e9 weights (untied head), bf16
-    pool = kv_pool(arch, tp=2, dtype="bfloat16", device_bytes=device, mem_fraction=0.6, other_bytes=GIB,
+    free, weights_per_gpu = 79 * GIB, 8_190_735_360 * 2 // 2  # Qwen3-8B: 8.19e9 weights (untied head), bf16
+    pool = kv_pool(arch, tp=2, dtype="bfloat16", free_bytes=free, mem_fraction=0.6,
                    sequences=1024, sequence_tokens=3072, max_running=256)
     assert pool.token_bytes == 36 * 4 * 128 * 2 * 2 == 73728
     assert pool.weight_bytes == weights_per_gpu
-    assert pool.bytes == int(0.6 * device) - weights_per_gpu - GIB
+    assert pool.bytes == int(0.6 * free) - weights_per_gpu
     assert pool.tokens == pool.bytes // 73728
     assert pool.concurrent == min(256, pool.tokens // 3072) and pool.waves == -(-1024 // pool.concurrent)
 
 
 def test_kv_heads_are_replicated_past_tp():
     arch = arch_from_hf(load_recipe(GRPO_8B).model.hf_config())  # 8 KV heads
-    per_token = {tp: kv_pool(arch, tp=tp, dtype="bfloat16", device_bytes=80 * GIB, mem_fraction=0.6, other_bytes=0,
+    per_token = {tp: kv_pool(arch, tp=tp, dtype="bfloat16", free_bytes=80 * GIB, mem_fraction=0.6,
                              sequences=1, sequence_tokens=1, max_running=1).token_bytes for tp in (8, 16)}
     assert per_token[8] == per_token[16] == 36 * 1 * 128 * 2 * 2
 
@@ -63,6 +63,57 @@ def test_the_searches_answer_at_their_edge():
     assert not _plan(GRPO_8B, "a100-40gb", f"actor.ppo_micro_batch_size={2 * micro}").fits
     tp = small.smallest_tp
     assert tp == 8 and _plan(GRPO_8B, "a100-40gb", f"actor.parallel.tp={tp}", f"reference.parallel.tp={tp}").fits
+
+
+def _with_judge(tmp_path: Path, *overrides: str) -> list[str]:
+    """Overrides that add an LLM judge: a Qwen3-8B-shaped model (the policy's config.json) in bf16."""
+    judge = tmp_path / "judge"
+    judge.mkdir(exist_ok=True)
+    config = load_recipe(GRPO_8B).model.hf_config()
+    (judge / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return [f"reward.judge={{model_path: {judge}, prompt_template: '{{prompt}} {{response}}'}}",
+            "reward.combine=rm", *overrides]
+
+
+def test_a_judge_on_the_rollouts_gpus_takes_its_share_of_what_the_rollout_left(tmp_path):
+    """SGLang sizes a server from the memory free when it starts: the judge starts after the rollout fleet, so on the
+    same GPUs its mem_fraction applies to what the fleet left (not to the device). It never releases its memory,
+    so every phase's peak on those GPUs carries it."""
+    alone = _plan(GRPO_8B, "h200", "reward.combine=rule")
+    judged = _plan(GRPO_8B, "h200", *_with_judge(tmp_path, "reward.judge.mem_fraction=0.5"))
+    fleet, judge = judged.pool, judged.judge_pool
+    assert fleet == alone.pool  # the rollout fleet starts first: the judge changes nothing of it
+    context = 1 << 29
+    assert judge.free_bytes == fleet.free_bytes - context - fleet.weight_bytes - fleet.bytes
+    assert judge.bytes == int(0.5 * judge.free_bytes) - judge.weight_bytes > 0
+    assert judge.weight_bytes == 8_190_735_360 * 2  # bf16, reward.judge.tp 1
+    resident = judge.weight_bytes + judge.bytes + context
+    before = {peak.phase: peak.bytes for peak in alone.peaks}
+    after = {peak.phase: peak.bytes for peak in judged.peaks}
+    assert set(after) == set(before) and all(after[phase] == before[phase] + resident for phase in before)
+    assert "judge KV pool" in next(peak for peak in judged.peaks if peak.phase == "rollout").parts
+    assert judged.fits, judged.problems  # 112 GiB at the rollout's peak, of the H200's 139.8
+
+
+def test_a_judge_too_small_for_one_verdict_is_named(tmp_path):
+    """With 0.1 of what the rollout left (~5 GiB on an H200) the judge's 16 GiB of weights leave no KV pool: SGLang
+    would refuse to start."""
+    plan = _plan(GRPO_8B, "h200", *_with_judge(tmp_path, "reward.judge.mem_fraction=0.1"))
+    assert plan.judge_pool.bytes == 0 and plan.judge_pool.tokens == 0
+    judge_problems = [problem for problem in plan.problems if problem.startswith("reward.judge.mem_fraction: ")]
+    assert judge_problems and "holds 0 tokens" in judge_problems[0]
+
+
+def test_a_judge_on_a_pool_of_its_own_is_a_peak_of_that_pool(tmp_path):
+    pools = ["placement.colocate=false", "placement.pools={train: {nodes: 1, gpus_per_node: 8}, "
+             "judge: {nodes: 1, gpus_per_node: 8}}", "placement.roles={actor: train, reference: train, "
+             "rollout: train, judge: judge}", "rollout.num_servers=4", "weight_sync.transport=distributed",
+             "reward.judge.mem_fraction=0.9"]
+    plan = _plan(GRPO_8B, "h200", *_with_judge(tmp_path, *pools))
+    judge = plan.judge_pool
+    assert judge.free_bytes == GPUS["h200"].memory_bytes - (1 << 29)  # alone on its GPUs
+    peak = next(peak for peak in plan.peaks if peak.pool == "judge")
+    assert (peak.phase, peak.bytes) == ("reward:judge", judge.weight_bytes + judge.bytes + (1 << 29))
 
 
 def test_offload_off_keeps_the_engines_beside_the_fleet():

@@ -17,9 +17,9 @@ weights (`--enable-weights-cpu-backup`), so the released frozen base comes back 
 The step loop times each direction as `timing_s/onload` and `timing_s/offload`. Without the
 cycle every call is a no-op.
 
-Start-up: SGLang sizes its KV cache from the device memory free when it starts (the
-memory left after its weights, less `(1 - mem_fraction) x` the device's total:
-`mem_cache/kv_cache_configurator.py` in 0.5.23), so every engine goes to sleep
+Start-up: SGLang sizes its KV cache from the device memory free when it starts
+(`mem_fraction` of it, less its weights: `mem_cache/kv_cache_configurator.py` in
+0.5.23), so every engine goes to sleep
 (`sleep_all`) before the fleet starts, and the first sync (`sync_from_sleep`) wakes
 the actor alone, with the fleet's memory released as around every later sync.
 """

@@ -403,12 +403,6 @@ def _check_reward(recipe: Recipe) -> list[Problem]:
             problems.append(_problem("reward.judge.num_servers", f"num_servers*tp = {fleet.num_servers}*{fleet.tp} "
                                      f"exceeds pool {fleet.pool.name!r} of size {fleet.pool.size}",
                                      fleet.num_servers))
-        shared = role_pool(recipe.placement, "rollout") == fleet.pool
-        total = recipe.rollout.mem_fraction + reward.judge.mem_fraction
-        if shared and recipe.placement.device == "cuda" and total > 1.0:
-            problems.append(_problem("reward.judge.mem_fraction", f"the judge shares pool {fleet.pool.name!r} with the "
-                                     f"rollout: rollout.mem_fraction + reward.judge.mem_fraction = {total:g} > 1",
-                                     reward.judge.mem_fraction))
     if recipe.reward_model is not None and recipe.reward_model.parallel.sequence_parallel:
         # Megatron gathers a sequence-parallel sequence inside its LM output layer; the score head replacing it
         # reads whole sequences.

@@ -87,7 +87,11 @@ class JudgeConfig(Section):
     num_servers: PositiveInt = Field(1, description="servers in the judge fleet")
     tp: PositiveInt = Field(1, description="tensor-parallel size of one judge server")
     max_concurrency: PositiveInt = Field(64, description="in-flight judge requests per server")
-    mem_fraction: float = Field(0.3, gt=0.0, le=1.0, description="share of accelerator memory a judge server may take")
+    mem_fraction: float = Field(
+        0.3, gt=0.0, le=1.0,
+        description="SGLang's mem_fraction_static of a judge server: its weights and KV cache take this share of the "
+        "accelerator memory free when it starts, which on GPUs it shares with the rollout is what the rollout servers "
+        "left (they start first); `megarl plan` shows the judge's KV pool and the peaks it adds")
     engine_threads: PositiveInt = Field(1, le=MAX_THREADS, description="torch threads of one CPU judge engine")
     sglang: dict[str, Any] = Field(default_factory=dict, description="extra SGLang arguments of the judge servers")
 

@@ -1,9 +1,13 @@
 """SGLang's KV-cache pool on one rollout server's GPU, and the tokens it holds against what a step asks for.
 
 SGLang sizes the pool once, at start-up (`mem_cache/kv_cache_configurator.py` in
-0.5.23): after loading its weights it keeps, of the memory still free, all but
-`(1 - mem_fraction_static)` x the device's total. With nothing else on the device
-that is `mem_fraction_static x total - weights - what the CUDA contexts hold`.
+0.5.23): it measures the memory free before it loads its weights (F, after its own
+CUDA context), loads them, and keeps `(1 - mem_fraction_static) x F` of what is then
+free for activations and graphs: the pool is `mem_fraction_static x F - weights`, and
+SGLang refuses to start when that is not positive. So `mem_fraction_static` is a share
+of what the device has free when that server starts, not of its capacity: a second
+server on the same device (a judge beside the rollout) takes its share of what the
+first one left.
 Each token of the pool costs, per GPU, K and V of every layer for the GPU's share
 of the KV heads (heads are replicated when TP exceeds them) in the model dtype.
 A step asks each server for `train_batch_size x n / num_servers` sequences of up to
@@ -38,10 +42,11 @@ def server_weight_bytes(arch: Arch, *, tp: int, dtype: str) -> int:
 
 @dataclass(frozen=True)
 class KvPool:
-    """One server GPU's pool: `bytes`, `tokens` it holds, and the step's need of that server."""
+    """One server GPU's pool: `bytes`, `tokens` it holds (of `free_bytes` free at the server's start), and the
+    step's need of that server."""
 
     weight_bytes: int
-    static_bytes: int
+    free_bytes: int
     bytes: int
     tokens: int
     token_bytes: int
@@ -65,19 +70,18 @@ class KvPool:
         return math.ceil(self.sequences / self.concurrent) if self.concurrent else 0
 
 
-def pool_bytes(*, device_bytes: int, mem_fraction: float, weight_bytes: int, other_bytes: int) -> int:
-    """SGLang's rule: free after the weights, less (1 - mem_fraction) x total; `other_bytes` is what else the device
-    already holds (contexts)."""
-    free_after_weights = device_bytes - other_bytes - weight_bytes
-    return max(0, int(free_after_weights - device_bytes * (1 - mem_fraction)))
+def pool_bytes(*, free_bytes: int, mem_fraction: float, weight_bytes: int) -> int:
+    """SGLang's rule: `mem_fraction` of the memory free at the server's start (`free_bytes`), less its weights
+    (0 where SGLang would refuse to start)."""
+    return max(0, int(free_bytes * mem_fraction) - weight_bytes)
 
 
-def kv_pool(arch: Arch, *, tp: int, dtype: str, device_bytes: int, mem_fraction: float, other_bytes: int,
-            sequences: int, sequence_tokens: int, max_running: int) -> KvPool:
+def kv_pool(arch: Arch, *, tp: int, dtype: str, free_bytes: int, mem_fraction: float, sequences: int,
+            sequence_tokens: int, max_running: int) -> KvPool:
+    """The pool of one GPU of a TP-`tp` server that finds `free_bytes` free when it starts."""
     weights = server_weight_bytes(arch, tp=tp, dtype=dtype)
-    size = pool_bytes(device_bytes=device_bytes, mem_fraction=mem_fraction, weight_bytes=weights,
-                      other_bytes=other_bytes)
+    size = pool_bytes(free_bytes=free_bytes, mem_fraction=mem_fraction, weight_bytes=weights)
     token_bytes = kv_bytes_per_token(arch, tp=tp, dtype=dtype)
-    return KvPool(weight_bytes=weights, static_bytes=int(device_bytes * mem_fraction), bytes=size,
+    return KvPool(weight_bytes=weights, free_bytes=free_bytes, bytes=size,
                   tokens=size // token_bytes, token_bytes=token_bytes, sequences=sequences,
                   sequence_tokens=sequence_tokens, max_running=max_running)

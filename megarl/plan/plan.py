@@ -7,7 +7,10 @@ Colocated roles share every GPU of the pool, one rank of each role per GPU; with
 generates the engines hold nothing, while one role trains or runs forwards the
 fleet has released its memory and the other roles are offloaded, and during the
 sync the actor's weights meet the fleet's. Without offload everything stays
-resident. Disaggregated pools are planned one by one. The search for the largest
+resident. Disaggregated pools are planned one by one. An LLM judge (`reward.judge`)
+keeps its weights and KV pool on its GPUs the whole run (it is never released), and
+starts after the rollout fleet: on a pool it shares with the fleet, its
+`mem_fraction` is a share of what the fleet left free. The search for the largest
 micro-batch and the smallest TP re-plans with that one value changed.
 """
 
@@ -18,7 +21,8 @@ import math
 from dataclasses import dataclass
 
 from megarl.config import Recipe, resolve_layout
-from megarl.config.layout import COLOCATED_POOL, FLEET_ROLES
+from megarl.config.schema import read_hf_config
+from megarl.config.layout import FLEET_ROLES
 from megarl.models.lora import adapter_shapes
 from megarl.models.spec import Arch, arch_from_hf
 from megarl.plan.gpus import GIB, GpuSpec
@@ -76,11 +80,13 @@ class Plan:
     roles: list[RolePlan]
     fleet_tp: int
     pool: KvPool | None
+    judge_pool: KvPool | None
     peaks: list[Peak]
     times: list[PhaseTime]
     problems: list[str]
     largest_micro_batch: dict[str, int | None] = dataclasses.field(default_factory=dict)
     smallest_tp: int | None = None
+    judge_tp: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -156,26 +162,70 @@ def _role_plans(shape: _Shape) -> list[RolePlan]:
     return plans
 
 
+def _engines_left(recipe: Recipe, roles: list[RolePlan], pool_name: str) -> int:
+    """What the engines on `pool_name` hold on one of its GPUs while a fleet starts there: their CUDA contexts, and
+    their state unless the colocated cycle has offloaded it (`megarl.controller.run` puts them to sleep first)."""
+    members = [plan for plan in roles if plan.pool == pool_name]
+    offloaded = recipe.placement.colocate and recipe.placement.offload
+    return len(members) * CONTEXT_BYTES + (0 if offloaded else sum(plan.memory.state for plan in members))
+
+
 def _fleet_pool(recipe: Recipe, arch: Arch, options: Options, roles: list[RolePlan]) -> KvPool:
     rollout = recipe.rollout
-    colocated = [plan for plan in roles if plan.pool == COLOCATED_POOL]
-    processes = 1 + len(colocated)
-    resident = 0 if recipe.placement.offload else sum(plan.memory.state for plan in colocated)
+    free = options.gpu.memory_bytes - CONTEXT_BYTES - _engines_left(recipe, roles, _pool_of(recipe, "rollout"))
     sequences = math.ceil(recipe.data.train_batch_size * rollout.n / rollout.num_servers)
-    return kv_pool(arch, tp=rollout.tp, dtype=recipe.model.dtype, device_bytes=options.gpu.memory_bytes,
-                   mem_fraction=rollout.mem_fraction, other_bytes=processes * CONTEXT_BYTES + resident,
+    return kv_pool(arch, tp=rollout.tp, dtype=recipe.model.dtype, free_bytes=free, mem_fraction=rollout.mem_fraction,
                    sequences=sequences, sequence_tokens=recipe.data.max_prompt_length + recipe.data.max_response_length,
                    max_running=rollout.max_concurrency)
 
 
-def _peaks(recipe: Recipe, roles: list[RolePlan], pool: KvPool, options: Options) -> list[Peak]:
-    """Each phase's per-GPU peak on each pool."""
+def _pool_of(recipe: Recipe, role: str) -> str:
+    return resolve_layout(recipe)[role].pool.name
+
+
+def _judge_pool(recipe: Recipe, options: Options, roles: list[RolePlan], fleet: KvPool) -> KvPool | None:
+    """The judge servers' pool (None without `reward.judge`): from the judge model's config.json, in its checkpoint's
+    dtype (SGLang loads it with `--dtype auto`), started after the rollout fleet."""
+    judge = recipe.reward.judge
+    if judge is None:
+        return None
+    config = read_hf_config(judge.model_path, key="reward.judge.model_path")
+    pool_name = _pool_of(recipe, "judge")
+    free = options.gpu.memory_bytes - CONTEXT_BYTES - _engines_left(recipe, roles, pool_name)
+    if pool_name == _pool_of(recipe, "rollout"):
+        free -= CONTEXT_BYTES + fleet.weight_bytes + fleet.bytes
+    dtype = config.get("torch_dtype") or config.get("dtype") or recipe.model.dtype
+    data = recipe.data
+    sequences = math.ceil(data.train_batch_size * recipe.rollout.n / judge.num_servers)
+    # A verdict's prompt holds the row's prompt and response inside the template (its own tokens not counted).
+    return kv_pool(arch_from_hf(config), tp=judge.tp, dtype=dtype if dtype in DTYPE_BYTES else recipe.model.dtype,
+                   free_bytes=free, mem_fraction=judge.mem_fraction, sequences=sequences,
+                   sequence_tokens=data.max_prompt_length + data.max_response_length + judge.max_new_tokens,
+                   max_running=judge.max_concurrency)
+
+
+def _peaks(recipe: Recipe, roles: list[RolePlan], pool: KvPool, judge: KvPool | None) -> list[Peak]:
+    """Each phase's per-GPU peak on each pool, with the judge's servers (resident throughout) on theirs."""
+    peaks = _engine_and_fleet_peaks(recipe, roles, pool)
+    if judge is None:
+        return peaks
+    judge_pool = _pool_of(recipe, "judge")
+    judge_bytes = judge.weight_bytes + judge.bytes + CONTEXT_BYTES
+    parts = f" + judge weights {_gib(judge.weight_bytes)} + judge KV pool {_gib(judge.bytes)}"
+    with_judge = [dataclasses.replace(peak, bytes=peak.bytes + judge_bytes, parts=peak.parts + parts)
+                  if peak.pool == judge_pool else peak for peak in peaks]
+    if not any(peak.pool == judge_pool for peak in peaks):
+        with_judge.append(Peak("reward:judge", judge_pool, judge_bytes, parts.removeprefix(" + ")))
+    return with_judge
+
+
+def _engine_and_fleet_peaks(recipe: Recipe, roles: list[RolePlan], pool: KvPool) -> list[Peak]:
     fleet_static = pool.weight_bytes + pool.bytes
     peaks = []
     by_pool: dict[str, list[RolePlan]] = {}
     for plan in roles:
         by_pool.setdefault(plan.pool, []).append(plan)
-    fleet_pool = resolve_layout(recipe)["rollout"].pool.name
+    fleet_pool = _pool_of(recipe, "rollout")
     offload = recipe.placement.colocate and recipe.placement.offload
     for name, members in by_pool.items():
         contexts = (len(members) + (name == fleet_pool)) * CONTEXT_BYTES
@@ -202,7 +252,7 @@ def _peaks(recipe: Recipe, roles: list[RolePlan], pool: KvPool, options: Options
     return peaks
 
 
-def _problems(recipe: Recipe, roles: list[RolePlan], pool: KvPool, peaks: list[Peak], options: Options) -> list[str]:
+def _problems(recipe: Recipe, pool: KvPool, judge: KvPool | None, peaks: list[Peak], options: Options) -> list[str]:
     capacity, gpu = options.gpu.memory_bytes, options.gpu.name
     problems = [f"{peak.phase}: {_gib(peak.bytes)} per GPU of pool {peak.pool!r} ({peak.parts}) exceeds the "
                 f"{_gib(capacity)} of a {gpu} by {_gib(peak.bytes - capacity)}"
@@ -210,9 +260,15 @@ def _problems(recipe: Recipe, roles: list[RolePlan], pool: KvPool, peaks: list[P
     if pool.tokens < pool.sequence_tokens:
         problems.append(
             f"rollout.mem_fraction: the KV pool of a server GPU holds {pool.tokens} tokens "
-            f"({_gib(pool.bytes)} = {recipe.rollout.mem_fraction} x {_gib(capacity)} - weights "
-            f"{_gib(pool.weight_bytes)} - contexts), less than one sequence of {pool.sequence_tokens} "
+            f"({_gib(pool.bytes)} = {recipe.rollout.mem_fraction} x {_gib(pool.free_bytes)} free at its start "
+            f"- weights {_gib(pool.weight_bytes)}), less than one sequence of {pool.sequence_tokens} "
             f"(got mem_fraction {recipe.rollout.mem_fraction}, rollout.tp {recipe.rollout.tp})")
+    if judge is not None and judge.tokens < judge.sequence_tokens:
+        problems.append(
+            f"reward.judge.mem_fraction: the KV pool of a judge GPU holds {judge.tokens} tokens "
+            f"({_gib(judge.bytes)} = {recipe.reward.judge.mem_fraction} x {_gib(judge.free_bytes)} free at its start "
+            f"- weights {_gib(judge.weight_bytes)}), less than one verdict of {judge.sequence_tokens} "
+            f"(got mem_fraction {recipe.reward.judge.mem_fraction}, reward.judge.tp {recipe.reward.judge.tp})")
     return problems
 
 
@@ -240,11 +296,12 @@ def _times(recipe: Recipe, arch: Arch, roles: list[RolePlan], pool: KvPool, opti
     return times
 
 
-def _evaluate(shape: _Shape) -> tuple[list[RolePlan], KvPool, list[Peak], list[str]]:
+def _evaluate(shape: _Shape) -> tuple[list[RolePlan], KvPool, KvPool | None, list[Peak], list[str]]:
     roles = _role_plans(shape)
     pool = _fleet_pool(shape.recipe, shape.arch, shape.options, roles)
-    peaks = _peaks(shape.recipe, roles, pool, shape.options)
-    return roles, pool, peaks, _problems(shape.recipe, roles, pool, peaks, shape.options)
+    judge = _judge_pool(shape.recipe, shape.options, roles, pool)
+    peaks = _peaks(shape.recipe, roles, pool, judge)
+    return roles, pool, judge, peaks, _problems(shape.recipe, pool, judge, peaks, shape.options)
 
 
 def _largest_micro_batch(shape: _Shape, role: str, plan: RolePlan) -> int | None:
@@ -253,7 +310,7 @@ def _largest_micro_batch(shape: _Shape, role: str, plan: RolePlan) -> int | None
     best = None
     for micro in sorted({2**k for k in range(limit.bit_length())} | {limit}):
         trial = dataclasses.replace(shape, micro={**shape.micro, role: micro})
-        if any(problem.startswith(f"train:{role}") for problem in _evaluate(trial)[3]):
+        if any(problem.startswith(f"train:{role}") for problem in _evaluate(trial)[4]):
             break
         best = micro
     return best
@@ -268,7 +325,7 @@ def _smallest_tp(shape: _Shape) -> int | None:
         plans = resolve_layout(shape.recipe)
         if any(layout.pool.size % (tp * layout.pp) for role, layout in plans.items() if role not in FLEET_ROLES):
             continue
-        if not _evaluate(dataclasses.replace(shape, tp=tp))[3]:
+        if not _evaluate(dataclasses.replace(shape, tp=tp))[4]:
             return tp
     return None
 
@@ -277,9 +334,10 @@ def plan_recipe(recipe: Recipe, options: Options) -> Plan:
     """The plan of a loaded recipe (`megarl.config.load_recipe`) on `options.gpu`."""
     arch = arch_from_hf(recipe.model.hf_config())
     shape = _Shape(recipe, arch, options, micro={}, tp=None)
-    roles, pool, peaks, problems = _evaluate(shape)
-    plan = Plan(recipe.name, options, arch, recipe.model.dtype, roles, recipe.rollout.tp, pool, peaks,
-                _times(recipe, arch, roles, pool, options), problems)
+    roles, pool, judge, peaks, problems = _evaluate(shape)
+    plan = Plan(recipe.name, options, arch, recipe.model.dtype, roles, recipe.rollout.tp, pool, judge, peaks,
+                _times(recipe, arch, roles, pool, options), problems,
+                judge_tp=None if recipe.reward.judge is None else recipe.reward.judge.tp)
     for role_plan in roles:
         if role_plan.role in TRAINABLE and role_plan.seq_len == recipe.data.max_prompt_length + \
                 recipe.data.max_response_length:

@@ -23,8 +23,9 @@ NOTES = (
     "DDP buffer; Adam's moments (+ float32 master weights for bf16/fp16); activations after Korthikanti et al. 2022 "
     "for RMSNorm/SwiGLU/GQA layers, which leaves out the allocator's fragmentation and temporary buffers (expect "
     "5-15% more in practice)",
-    "KV cache: SGLang's rule, mem_fraction_static x device - weights - what the device already holds (CUDA "
-    "contexts, 0.5 GiB per process assumed)",
+    "KV cache: SGLang's rule, mem_fraction_static x what the device has free when the server starts - its "
+    "weights; free is the device less what is already there (CUDA contexts, 0.5 GiB per process assumed; "
+    "engines not offloaded; for a judge on the rollout's GPUs, the rollout servers)",
     "times: upper bounds with every response at max_response_length; decoding memory-bound at "
     f"{BANDWIDTH_EFFICIENCY:.0%} of the data-sheet bandwidth, training at the stated MFU of the data-sheet peak",
 )
@@ -55,6 +56,10 @@ def plan_report(plan: Plan) -> Report:
         Column("sequences at once"), Column("waves")])
     kv.add_row(f"tp{plan.fleet_tp}", _gib(pool.weight_bytes), _gib(pool.bytes), pool.tokens, pool.token_bytes / 1024,
                pool.sequences, pool.needed_tokens, pool.concurrent, pool.waves)
+    if plan.judge_pool is not None:
+        judge = plan.judge_pool
+        kv.add_row(f"judge tp{plan.judge_tp}", _gib(judge.weight_bytes), _gib(judge.bytes), judge.tokens,
+                   judge.token_bytes / 1024, judge.sequences, judge.needed_tokens, judge.concurrent, judge.waves)
     peaks = report.add_table("phase peaks", [
         Column("phase"), Column("pool"), Column("per GPU", "GiB", ".2f"), Column("device", "GiB", ".2f"),
         Column("headroom", "GiB", ".2f"), Column("fits"), Column("made of")])

@@ -132,9 +132,12 @@ def cpu_engine_command(
     lora_paths: list[str] | None = None,
     max_loras_per_batch: int | None = None,
     max_loaded_loras: int | None = None,
+    device_memory_bytes: int | None = None,
+    mem_fraction_static: float | None = None,
+    max_total_tokens: int | None = None,
 ) -> list[str]:
-    """The argv that runs one CPU engine server (LoRA flags as SGLang's); `config` is a file of further arguments
-    (the API key)."""
+    """The argv that runs one CPU engine server (LoRA and KV-pool flags as SGLang's); `config` is a file of further
+    arguments (the API key)."""
     command = [sys.executable, "-m", "megarl.rollout.cpu_engine", "--model-path", str(model_path)]
     command += ["--host", host, "--port", str(port), "--threads", str(threads), "--max-batch", str(max_batch)]
     command += ["--log-level", log_level]
@@ -143,7 +146,9 @@ def cpu_engine_command(
                 "--weight-update-group-timeout-s": weight_update_group_timeout_s,
                 "--max-request-bytes": max_request_bytes, "--max-sequences": max_sequences,
                 "--max-reply-entries": max_reply_entries, "--max-lora-rank": max_lora_rank,
-                "--max-loras-per-batch": max_loras_per_batch, "--max-loaded-loras": max_loaded_loras}
+                "--max-loras-per-batch": max_loras_per_batch, "--max-loaded-loras": max_loaded_loras,
+                "--device-memory-bytes": device_memory_bytes, "--mem-fraction-static": mem_fraction_static,
+                "--max-total-tokens": max_total_tokens}
     for flag, value in optional.items():
         if value is not None:
             command += [flag, str(value)]

@@ -59,6 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-reply-entries", type=int, default=1 << 22,
                         help="most token entries one reply may hold, counted as n x tokens x (1 + top_logprobs_num); "
                              "a request that could exceed it gets 400")
+    pool = parser.add_argument_group("KV-cache pool (SGLang's rule: megarl.rollout.cpu_engine.kv_pool)")
+    pool.add_argument("--device-memory-bytes", type=int, default=None,
+                      help="the memory SGLang would find free on its device at start (a CPU has none to measure); "
+                           "with --mem-fraction-static it sizes the pool, as on a GPU")
+    pool.add_argument("--mem-fraction-static", type=float, default=None,
+                      help="SGLang's flag: the share of the free memory the weights and the KV pool take")
+    pool.add_argument("--max-total-tokens", type=int, default=None,
+                      help="SGLang's flag: the most tokens the pool holds (only ever lowers it)")
     parser.add_argument("--enable-deterministic-inference", action="store_true",
                         help="honour each request's sampling_seed (SGLang's flag: without it a seed is ignored)")
     lora = parser.add_argument_group("LoRA serving (SGLang's flags)")
@@ -84,9 +92,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    max_loras_per_batch=args.max_loras_per_batch,
                                    max_loaded_loras=args.max_loaded_loras):
         parser.error(problem)
-    for flag in ("max_batch", "threads", "max_request_bytes", "max_sequences", "max_reply_entries"):
-        if getattr(args, flag) < 1:
+    for flag in ("max_batch", "threads", "max_request_bytes", "max_sequences", "max_reply_entries",
+                 "device_memory_bytes", "max_total_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: must be >= 1 (got {getattr(args, flag)})")
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static <= 1:
+        parser.error(f"--mem-fraction-static: must be in (0, 1] (got {args.mem_fraction_static})")
+    if (args.device_memory_bytes is None) != (args.mem_fraction_static is None):
+        parser.error("--device-memory-bytes and --mem-fraction-static: give both (the pool is the fraction of that "
+                     f"memory less the weights) or neither (got {args.device_memory_bytes}, "
+                     f"{args.mem_fraction_static})")
     for flag in ("health_check_timeout_s", "weight_update_group_timeout_s"):
         value = getattr(args, flag)
         if not (math.isfinite(value) and value > 0):

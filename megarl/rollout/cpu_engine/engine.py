@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from megarl.rollout.cpu_engine.lora import LoraError, LoraServing, lora_serving_from_args
+from megarl.rollout.cpu_engine.kv_pool import size_pool
 from megarl.rollout.cpu_engine.memory import MemorySaver
 from megarl.rollout.cpu_engine.scheduler import Scheduler
 from megarl.rollout.cpu_engine.sequence import Sequence
@@ -78,6 +79,10 @@ class EngineArgs:
     max_sequences: int = 256  # sequences (prompts x n) one /generate may ask for
     max_reply_entries: int = 1 << 22  # token entries of one reply: n x tokens x (1 + top_logprobs_num)
     enable_deterministic_inference: bool = False  # honour sampling_seed (SGLang reads it only with this flag)
+    # The KV pool (kv_pool): the free memory a GPU would report at start, and SGLang's two flags
+    device_memory_bytes: int | None = None
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
     # LoRA serving (SGLang's flags; `--lora-paths` implies `--enable-lora`)
     enable_lora: bool = False
     lora_paths: list[str] | None = None
@@ -98,6 +103,9 @@ class CpuEngine:
         )
         self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
         self.context_length = int(self.model.config.max_position_embeddings)
+        self.kv_pool = size_pool(model=self.model, dtype=self.model.dtype, context_length=self.context_length,
+                                 max_batch=args.max_batch, device_memory_bytes=args.device_memory_bytes,
+                                 mem_fraction_static=args.mem_fraction_static, max_total_tokens=args.max_total_tokens)
         self.weight_version = args.weight_version
         self.memory = MemorySaver(self.model, cpu_backup=args.enable_weights_cpu_backup)
         self.weight_op_in_progress: str | None = None  # set by the HTTP layer, reported by /server_info
@@ -117,6 +125,7 @@ class CpuEngine:
             decode=self.decode if self.tokenizer is not None else None,
             seed=args.seed,
             lora=self.lora,
+            pool_tokens=self.kv_pool.max_total_num_tokens,
         )
         self.scheduler.start()
 
@@ -367,6 +376,10 @@ class CpuEngine:
             "tp_size": TP_SIZE,
             "weight_version": self.weight_version,
             "context_length": self.context_length,
+            # SGLang's scheduler_info, merged into /get_server_info
+            "max_total_num_tokens": self.kv_pool.max_total_num_tokens,
+            "max_req_input_len": self.kv_pool.max_req_input_len,
+            "internal_states": [{"memory_usage": self.kv_pool.memory_usage()}],
             "vocab_size": self.vocab_size,
             "num_running_reqs": running,
             "num_waiting_reqs": waiting,

@@ -26,10 +26,13 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from megarl.rollout.cpu_engine.schema import GenerateBody, RequestError, SamplingParamsBody
 from megarl.rollout.cpu_engine.sequence import SamplingSettings, Sequence
+
+if TYPE_CHECKING:
+    from megarl.rollout.cpu_engine.kv_pool import KvPool
 
 Decode = Callable[[list[int], bool], str]
 # A token of a BPE vocabulary stands for far fewer characters than this: a text longer than
@@ -64,9 +67,10 @@ class GenerateJob:
 
 
 def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, tokenizer: Any | None,
-              limits: Limits = Limits()) -> GenerateJob:
-    """Validate the body against the model and the server's `limits` and expand it into sequences; RequestError
-    lists every problem."""
+              limits: Limits = Limits(), pool: KvPool | None = None) -> GenerateJob:
+    """Validate the body against the model, the server's `limits` and its KV `pool` (SGLang's prompt limit and
+    `max_new_tokens` lowered to what the pool leaves) and expand it into sequences; RequestError lists every
+    problem."""
     problems: list[str] = []
     prompts, is_batch = _prompts(body, tokenizer, problems, max_chars=context_length * MAX_CHARS_PER_TOKEN)
     if problems:
@@ -101,6 +105,11 @@ def build_job(body: GenerateBody, *, vocab_size: int, context_length: int, token
     seq_lora_names: list[str | None] = []
     for index, prompt in enumerate(prompts):
         settings = _settings(params[index], len(prompt), context_length, tokenizer, index, problems)
+        if pool is not None:
+            if refusal := pool.input_problem(len(prompt)):
+                problems.append(refusal)
+            settings = dataclasses.replace(settings,
+                                           max_new_tokens=pool.max_new_tokens(settings.max_new_tokens, len(prompt)))
         samples = params[index].n or 1
         for sample in range(samples):
             seed = None

@@ -103,6 +103,7 @@ async def generate(request: Request) -> Response:
             context_length=engine.context_length,
             tokenizer=engine.tokenizer,
             limits=state.limits,
+            pool=engine.kv_pool,
         )
         adapters = _acquire_adapters(engine, job)
     except RequestError as error:

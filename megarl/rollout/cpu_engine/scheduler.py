@@ -112,10 +112,12 @@ class Scheduler:
         decode: Callable[[list[int], bool], str] | None,
         seed: int,
         lora: LoraServing | None = None,
+        pool_tokens: int,
     ):
         self._model = model
         self._lora = lora
         self._max_batch = max_batch
+        self._pool_tokens = pool_tokens
         self._eos_token_ids = eos_token_ids
         self._decode = decode
         self._vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -246,23 +248,23 @@ class Scheduler:
         return bool(self._waiting) and self._pause_mode is None and not self._holds
 
     def _take_waiting(self, limit: int) -> list[Sequence]:
-        """Move up to `limit` waiting sequences into the running set (lock held). With LoRA, a sequence whose
+        """Move up to `limit` waiting sequences into the running set (lock held), in order, while the KV pool holds
+        them (`kv_pool`: the first that does not fit waits, and so do those behind it). With LoRA, a sequence whose
         adapter would make the batch use more than `--max-loras-per-batch` adapters waits (in order)."""
         # A batch that keeps admitting newcomers may never end: drop finished sequences here.
         running = [seq for seq in self._running if not seq.done]
-        if self._lora is None:
-            taken = [self._waiting.popleft() for _ in range(min(limit, len(self._waiting)))]
-        else:
-            adapters = {_adapter_id(seq) for seq in running}
-            taken, skipped = [], []
-            while self._waiting and len(taken) < limit:
-                seq = self._waiting.popleft()
-                if self._lora.admits(adapters, seq.adapter):
-                    adapters.add(_adapter_id(seq))
-                    taken.append(seq)
-                else:
-                    skipped.append(seq)
-            self._waiting.extendleft(reversed(skipped))
+        room = self._pool_tokens - sum(seq.reserved_tokens for seq in running)
+        adapters = {_adapter_id(seq) for seq in running}
+        taken, skipped = [], []
+        while self._waiting and len(taken) < limit and self._waiting[0].reserved_tokens <= room:
+            seq = self._waiting.popleft()
+            if self._lora is not None and not self._lora.admits(adapters, seq.adapter):
+                skipped.append(seq)
+                continue
+            adapters.add(_adapter_id(seq))
+            room -= seq.reserved_tokens
+            taken.append(seq)
+        self._waiting.extendleft(reversed(skipped))
         self._running = running + taken
         return taken
 

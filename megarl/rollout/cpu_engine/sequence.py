@@ -75,6 +75,11 @@ class Sequence:
         return self.finish_reason is not None
 
     @property
+    def reserved_tokens(self) -> int:
+        """The most tokens it holds in the KV pool: its prompt and every token it may generate."""
+        return len(self.prompt_ids) + self.sampling.max_new_tokens
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return self.return_logprob and self.logprob_start_len >= 0 and self.input_logprobs is None
 
