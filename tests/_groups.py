@@ -37,8 +37,8 @@ MODULE_SECONDS = {
     "test_lora_checkpoint": 30, "test_job_script": 30, "test_engine_critic": 30, "test_router": 25,
     "test_lora_weight_sync": 25, "test_weightsync_session": 20, "test_examples": 20, "test_engine_reward_model": 20,
     "test_engine_moe": 20, "test_train_rm": 15, "test_sync_buffers": 15, "test_rollout_client": 15,
-    "test_plan_bytes": 15, "test_lora_engine": 15, "test_cli_export": 15, "test_preemption": 10,
-    "test_cpu_engine_kv_pool": 20, "test_lora_moe": 10, "test_leftovers": 10, "test_export": 10, "test_engine_offload": 10,
+    "test_plan_bytes": 15, "test_lora_engine": 15, "test_cli_export": 15, "test_cpu_engine_kv_pool": 20,
+    "test_preemption": 10, "test_lora_moe": 10, "test_leftovers": 10, "test_export": 10, "test_engine_offload": 10,
     "test_engine_actor": 10, "test_cpu_engine_lora": 10, "test_cli_validate": 10,
 }
 
