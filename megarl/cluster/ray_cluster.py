@@ -15,6 +15,7 @@ stays on loopback with its own temp dir too, so a stale
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from megarl.cluster.ray_ports import free_block
 from megarl.processes import MARK_ENV, sweep
+from megarl.quiet import hide_ray_backend_notices, verbose
 
 # Worker processes inherit these: loopback only, no usage reporting, one
 # OpenMP thread per rank (without it, measured step times on 2 cores swung 60x).
@@ -92,6 +94,7 @@ def start_local_ray(*, temp_dir: str, num_cpus: int | None = None, num_gpus: int
         log_to_driver=True,
         runtime_env={"env_vars": _worker_env()},
     )
+    hide_ray_backend_notices()
 
 
 def connect_ray(address: str) -> None:
@@ -99,7 +102,10 @@ def connect_ray(address: str) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, runtime_env={"env_vars": _worker_env()})
+        # Ray's INFO lines ("Connecting to existing Ray cluster at address ...") say nothing to a megarl user.
+        ray.init(address=address, runtime_env={"env_vars": _worker_env()},
+                 logging_level=logging.INFO if verbose() else logging.WARNING)
+        hide_ray_backend_notices()
 
 
 HEAD_START_TIMEOUT_S = 300.0  # as long as Ray itself gives a node to come up (RAY_raylet_start_wait_time_s)
