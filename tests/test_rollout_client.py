@@ -210,3 +210,24 @@ def test_results_to_tensors_pads_and_masks():
     assert "rollout_log_probs" not in no_logprobs and no_logprobs["responses"].tolist() == [[1, 9]]
     with pytest.raises(ValueError, match="max_response_length"):
         results_to_tensors(results, pad_id=0, max_response_length=2)
+
+
+def test_idle_connections_are_dropped_before_the_servers_drop_them():
+    """A server closing an idle keep-alive connection while the client reuses it resets the request (a weight
+    sync's /pause_generation failed so, 5.0 s after its previous call): the client lets go first, below uvicorn's
+    keep-alive, which SGLang's server and the CPU engine run with."""
+    import uvicorn
+
+    from megarl.rollout.client import IDLE_CONNECTION_S
+
+    server_keep_alive = uvicorn.Config(app=None).timeout_keep_alive
+    assert IDLE_CONNECTION_S < server_keep_alive == 5
+    client = RolloutClient(["http://127.0.0.1:9"])
+    try:
+        assert client.run(_keepalive(client)) == IDLE_CONNECTION_S
+    finally:
+        client.close()
+
+
+async def _keepalive(client) -> float:
+    return client._ensure_session().connector._keepalive_timeout

@@ -36,6 +36,8 @@ from megarl.rollout.weight_wire import LOAD_FORMATS, entries_for_tp_ranks, flatt
 __all__ = ["GenerationResult", "RolloutClient", "RolloutError", "results_to_tensors"]
 
 T = TypeVar("T")
+# How long an idle connection to a server is kept for reuse: below the servers' keep-alive (uvicorn's 5 s).
+IDLE_CONNECTION_S = 2.0
 
 
 class RolloutError(RuntimeError):
@@ -278,8 +280,11 @@ class RolloutClient:
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            # Concurrency is bounded per server by the semaphores, not by the connector.
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+            # Concurrency is bounded per server by the semaphores, not by the connector. An idle connection is
+            # dropped here before the server drops it (uvicorn's keep-alive, SGLang's and the CPU engine's, is
+            # 5 s; aiohttp keeps one 15 s): reusing one the server is closing at that moment fails with
+            # "Connection reset by peer", as a weight sync's /pause_generation once did 5.0 s after the last call.
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=IDLE_CONNECTION_S)
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, headers=self._headers)
         return self._session
 
