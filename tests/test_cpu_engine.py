@@ -531,6 +531,61 @@ def test_pause_abort_mode_aborts_running_requests(server):
     assert len(generate(server, greedy_body(PROMPTS[0], max_new_tokens=3))["output_ids"]) == 3
 
 
+def continuation_over_a_cache(cache_model, model, prompt: list[int], prefix: list[int],
+                              steps: int) -> tuple[list[int], list[float]]:
+    """`model`'s greedy tokens and their log-probs after prompt + prefix, decoding over the KV cache that
+    `cache_model` computed for prompt + prefix[:-1]: what a request paused in place holds when its weights
+    change under it (SGLang keeps the paused batch's cache across the update)."""
+    with torch.no_grad():
+        past = cache_model(torch.tensor([prompt + prefix[:-1]]), use_cache=True).past_key_values
+        token, tokens, logprobs = prefix[-1], [], []
+        for _ in range(steps):
+            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            row = torch.log_softmax(out.logits[0, -1].float(), -1)
+            token = int(row.argmax())
+            tokens.append(token)
+            logprobs.append(float(row[token]))
+            past = out.past_key_values
+    return tokens, logprobs
+
+
+def test_a_request_paused_in_place_goes_on_with_new_weights_and_each_token_carries_its_version(
+        server, reference, other_reference, model_dirs):
+    """Paused mid-request, updated, continued: the tokens streamed before the update are the old model's, every
+    token after it the new model's (over the old cache), log-probs too. A forward pass and the sampling of its
+    token are one step, as in SGLang: no token is sampled from the old weights' logits and reported under the
+    new version."""
+    total = 240
+    holder: dict = {}
+    body = greedy_body(PROMPTS[1], max_new_tokens=total, stream=True)
+    thread = threading.Thread(target=lambda: holder.update(reply=call(server, "/generate", body)))
+    thread.start()
+    try:
+        wait_running(server)
+        assert call(server, "/pause_generation", {"mode": "in_place"})[0] == 200
+        status, reply = call(server, "/update_weights_from_disk", {"model_path": str(model_dirs["other"]),
+                                                                   "weight_version": "v1", "flush_cache": False})
+        assert status == 200 and reply["success"], reply
+        assert call(server, "/continue_generation", {})[0] == 200
+        thread.join(timeout=60)
+    finally:
+        restore(server, model_dirs)
+    status, text = holder["reply"]
+    assert status == 200
+    chunks = [json.loads(event[len("data: "):]) for event in text.split("\n\n") if event and event != "data: [DONE]"]
+    versions: list[str] = []
+    for chunk in chunks:  # each token's version: that of the chunk that first carried it
+        versions += [chunk["meta_info"]["weight_version"]] * (len(chunk["output_ids"]) - len(versions))
+    old = versions.count("v0")
+    assert 0 < old < total and versions == ["v0"] * old + ["v1"] * (total - old)
+    ids, logprobs = chunks[-1]["output_ids"], logprobs_of(chunks[-1])
+    assert ids[:old] == greedy_continuation(reference, PROMPTS[1], old)
+    assert logprobs[:old] == pytest.approx(reference_logprobs(reference, PROMPTS[1], ids[:old], 0.0), abs=1e-5)
+    new_ids, new_logprobs = continuation_over_a_cache(reference, other_reference, PROMPTS[1], ids[:old], total - old)
+    assert ids[old:] == new_ids
+    assert logprobs[old:] == pytest.approx(new_logprobs, abs=1e-5)
+
+
 def test_launcher_reports_a_server_that_cannot_start(tmp_path):
     (tmp_path / "config.json").write_text("{not a config")
     with pytest.raises(ServerStartError) as error:

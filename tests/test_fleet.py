@@ -341,6 +341,22 @@ def _wait_for_a_running_request(fleet) -> None:
         time.sleep(0.002)
 
 
+def _hold_a_request_in_flight(fleet) -> None:
+    """Pause every server in place at a moment one of them is generating a request: a request the sync then
+    meets for sure (a sync racing the requests could find them all finished on a slow machine). A request
+    paused in the running batch has tokens already: the engine samples a forward pass's token before pausing."""
+    deadline = time.monotonic() + 60
+    while True:
+        _wait_for_a_running_request(fleet)
+        for url in fleet.urls:
+            assert call(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+        if any(call(url, "/server_info")[1]["num_running_reqs"] for url in fleet.urls):
+            return
+        for url in fleet.urls:  # paused between two requests: let them go on and try again
+            assert call(url, "/continue_generation", {})[0] == 200
+        assert time.monotonic() < deadline, "never paused a request mid-generation"
+
+
 @pytest.mark.dist
 def test_an_in_flight_update_pauses_requests_in_place_and_their_tokens_carry_both_versions(fleet, pushes):
     """The sync pauses generation in place (SGLang's pause_generation mode in_place), updates, continues: the
@@ -351,8 +367,8 @@ def test_an_in_flight_update_pauses_requests_in_place_and_their_tokens_carry_bot
     future = fleet.start_generation(gen_batch, sampling(MAX_RESPONSE, ignore_eos=True), seed=9,
                                     on_rows=lambda rows, outs: results.update(zip(rows, outs)),
                                     per_token_versions=True)
-    _wait_for_a_running_request(fleet)
-    fleet.sync_weights(version=21)
+    _hold_a_request_in_flight(fleet)
+    fleet.sync_weights(version=21)  # pauses in place again (a no-op here), updates, continues
     future.result(timeout=300)
     assert sorted(results) == list(range(len(gen_batch)))
     assert all(r.finish_reason == "length" and len(r.output_ids) == MAX_RESPONSE for r in results.values())

@@ -12,7 +12,8 @@ whose first few started a batch alone would otherwise wait for that whole batch.
 Joining needs transformers' per-layer `DynamicCache` (>= 4.56); without it new
 sequences wait for the next batch.
 
-Between two steps the worker applies aborts, pauses (`abort`, `retract`: put the
+A step is a forward pass and the sampling of its tokens, as in SGLang. Between
+two steps the worker applies aborts, pauses (`abort`, `retract`: put the
 unfinished sequences back at the head of the queue to be re-prefilled with
 their output so far, `in_place`: keep the batch and its cache and wait) and
 holds: `with scheduler.hold():` blocks until the worker is between steps, so a
@@ -276,20 +277,20 @@ class Scheduler:
         batch, logits = self._prefill(live)
         steps = 0
         while True:
-            if not self._between_steps(batch):
+            # A forward pass and the sampling of its tokens are one step, as in SGLang: a pause or a weight
+            # update lands after the tokens are recorded, so a token is never sampled from one version's
+            # logits and reported under the next.
+            tokens, logprobs = sample_next_tokens(logits, batch.params, fallback_generator=self._fallback_generator)
+            self._record_step(batch.seqs, tokens, logprobs)
+            if all(seq.done for seq in batch.seqs) or not self._between_steps(batch):
                 return steps
             alive = [row for row, seq in enumerate(batch.seqs) if not seq.done]
             if not alive:
                 return steps
             if len(alive) < len(batch.seqs):
                 batch.keep(alive)
-                logits = logits[alive]
-            logits = self._admit_newcomers(batch, logits)
-            tokens, logprobs = sample_next_tokens(logits, batch.params, fallback_generator=self._fallback_generator)
-            self._record_step(batch.seqs, tokens, logprobs)
-            if all(seq.done for seq in batch.seqs):
-                return steps
-            logits = self._decode_step(batch, tokens)
+                tokens = tokens[alive]
+            logits = self._admit_newcomers(batch, self._decode_step(batch, tokens))
             steps += 1
 
     def _admit_newcomers(self, batch: _Batch, logits: torch.Tensor) -> torch.Tensor:
