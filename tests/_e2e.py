@@ -50,7 +50,7 @@ API_KEY = "cmdline-probe-7f3c9a2e41b8d605"
 
 
 class CommandLines:
-    """Every command line on the machine, read from /proc every few milliseconds while in use: which held
+    """Every command line on the machine, read from /proc every 0.1 s while in use: which held
     `secret` (any local user can read them), and which megarl server processes of this test process were seen
     (its descendants: another worker of the test suite starts servers of its own meanwhile)."""
 
@@ -68,7 +68,7 @@ class CommandLines:
         self._thread.join(10)
 
     def _watch(self) -> None:
-        while not self._stop.wait(0.02):
+        while not self._stop.wait(0.1):  # a server lives for seconds: 0.1 s sees every one, at a fifth of the CPU
             for path in Path("/proc").glob("[0-9]*/cmdline"):
                 try:
                     line = path.read_bytes().replace(b"\0", b" ").decode(errors="replace")
