@@ -254,14 +254,19 @@ def test_text_input_stop_strings_and_trimming(server, reference, model_dirs):
     assert [item["output_ids"] for item in batch] == [greedy_continuation(reference, p, 3) for p in PROMPTS[:2]]
 
 
+def stream_chunks(text: str) -> list[dict]:
+    """The JSON chunks of a streamed /generate reply (server-sent events ending with `data: [DONE]`)."""
+    events = [line for line in text.split("\n\n") if line]
+    assert all(event.startswith("data: ") for event in events)
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(event[len("data: ") :]) for event in events[:-1]]
+
+
 def test_streaming_sends_cumulative_chunks_then_done(server):
     body = greedy_body(PROMPTS[1], max_new_tokens=5, stream=True)
     status, text = call(server, "/generate", body)
     assert status == 200
-    events = [line for line in text.split("\n\n") if line]
-    assert all(event.startswith("data: ") for event in events)
-    assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(event[len("data: ") :]) for event in events[:-1]]
+    chunks = stream_chunks(text)
     lengths = [len(chunk["output_ids"]) for chunk in chunks]
     assert lengths == list(range(1, 6))
     for earlier, later in zip(chunks, chunks[1:]):
@@ -572,12 +577,14 @@ def test_a_request_paused_in_place_goes_on_with_new_weights_and_each_token_carri
         restore(server, model_dirs)
     status, text = holder["reply"]
     assert status == 200
-    chunks = [json.loads(event[len("data: "):]) for event in text.split("\n\n") if event and event != "data: [DONE]"]
+    chunks = stream_chunks(text)
     versions: list[str] = []
     for chunk in chunks:  # each token's version: that of the chunk that first carried it
         versions += [chunk["meta_info"]["weight_version"]] * (len(chunk["output_ids"]) - len(versions))
     old = versions.count("v0")
     assert 0 < old < total and versions == ["v0"] * old + ["v1"] * (total - old)
+    # Greedy tokens and float32 log-probs against an eager-attention reference: their difference is float noise
+    # of the attention kernels (~1e-6), the gap between the two models' log-probs is ~0.1 and more.
     ids, logprobs = chunks[-1]["output_ids"], logprobs_of(chunks[-1])
     assert ids[:old] == greedy_continuation(reference, PROMPTS[1], old)
     assert logprobs[:old] == pytest.approx(reference_logprobs(reference, PROMPTS[1], ids[:old], 0.0), abs=1e-5)
