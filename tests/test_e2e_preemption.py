@@ -15,6 +15,9 @@ One run directory goes through four lives:
    has a TMPDIR of its own, which tells its dirs from other runs').
 After each life no process the run started is left (the multiprocessing children of Ray's
 workers included), and no shared-memory file of theirs.
+The same under asynchronous rollout (`recipes/quickstart-async-cpu.yaml`, k = 1): SIGTERM while step 2
+updates the actor, with step 3's batch already generating; the checkpoint keeps what was trained, and the
+resumed run generates the rest afresh.
 """
 
 from __future__ import annotations
@@ -45,6 +48,13 @@ SETTINGS = ["trainer.total_steps=4", "trainer.val_every=0", "sft_warmup.steps=5"
             "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size=8", "actor.entropy_coeff=0.01",
             "trainer.checkpoint.save_every=0", "trainer.checkpoint.keep_last=0", "trainer.logging.console=false",
             f"trainer.checkpoint.preempt_timeout_s={PREEMPT_TIMEOUT_S}"]
+# Asynchronous rollout (k = 1, disaggregated: a trainer slot and a rollout slot), three short steps.
+ASYNC_RECIPE = REPO / "recipes" / "quickstart-async-cpu.yaml"
+ASYNC_SETTINGS = ["trainer.total_steps=3", "trainer.val_every=0", "sft_warmup.steps=0", "data.synthetic.num_val=16",
+                  "data.train_batch_size=8", "data.max_response_length=24", "actor.entropy_coeff=0.01",
+                  "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=16", "trainer.checkpoint.save_every=0",
+                  "trainer.checkpoint.keep_last=0", "trainer.logging.console=false",
+                  f"trainer.checkpoint.preempt_timeout_s={PREEMPT_TIMEOUT_S}"]
 TORCH_SHM = re.compile(r"torch_(\d+)_")
 RECORD_EVERY_S = 0.25
 
@@ -52,10 +62,11 @@ RECORD_EVERY_S = 0.25
 class Driver:
     """A `megarl train` process in its own session; remembers every process it ever had below it."""
 
-    def __init__(self, output_dir: Path, log: Path, env: dict[str, str] | None = None):
-        args = [sys.executable, "-m", "megarl.cli", "train", str(RECIPE), "--set", f"trainer.output_dir={output_dir}",
+    def __init__(self, output_dir: Path, log: Path, env: dict[str, str] | None = None, recipe: Path = RECIPE,
+                 settings: list[str] = SETTINGS):
+        args = [sys.executable, "-m", "megarl.cli", "train", str(recipe), "--set", f"trainer.output_dir={output_dir}",
                 "--set", "name=run"]
-        for setting in SETTINGS:
+        for setting in settings:
             args += ["--set", setting]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         self.log = log
@@ -219,3 +230,42 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path):
     assert [name for name in life3_segments if os.path.exists(f"/dev/shm/{name}")] == []
     assert not partial.exists() and _complete_steps(run_dir) == [1, 3, 4]
     assert _steps_logged(run_dir) == [1, 2, 3, 4]
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+@pytest.mark.slow
+def test_sigterm_under_asynchronous_rollout_checkpoints_what_was_trained_and_the_resume_generates_the_rest(tmp_path):
+    """k = 1: while step 2 updates the actor, the batch of step 3 is already admitted; SIGTERM finishes step 2,
+    the checkpoint records batches 0-1 as trained and none of batch 2, and the resumed run generates batch 2 afresh
+    and trains it as step 3, once."""
+    run_dir = tmp_path / "run"
+    driver = Driver(tmp_path, tmp_path / "life1.log", recipe=ASYNC_RECIPE, settings=ASYNC_SETTINGS)
+    try:
+        driver.watch(_phase_started(run_dir, 2, "update_actor"))
+        os.killpg(driver.process.pid, signal.SIGTERM)
+        assert driver.wait() == EXIT_PREEMPTED, driver.output()
+    finally:
+        alive, shm = driver.leftovers()
+        driver.kill_leftovers()
+    assert not alive and not shm, (alive, shm)
+    assert "stop requested: step 2 finished" in (run_dir / "logs" / "controller.log").read_text()
+    assert _complete_steps(run_dir) == [2] and _steps_logged(run_dir) == [1, 2]
+    state = json.loads((run_dir / "checkpoints" / "step_2" / "controller_state.json").read_text())
+    # The loader goes back to the first untrained batch (2 of 8 prompts each): nothing of it was trained.
+    assert state["step"] == 2 and state["loader"]["position"] == 16
+    assert state["async"]["next_batch"] == 2 and state["async"]["trained"] == {}
+
+    driver = Driver(tmp_path, tmp_path / "life2.log", recipe=ASYNC_RECIPE, settings=ASYNC_SETTINGS)
+    try:
+        assert driver.wait() == 0, driver.output()
+    finally:
+        alive, shm = driver.leftovers()
+        driver.kill_leftovers()
+    assert not alive and not shm, (alive, shm)
+    assert _complete_steps(run_dir) == [2, 3] and _steps_logged(run_dir) == [1, 2, 3]
+    final = json.loads((run_dir / "checkpoints" / "step_3" / "controller_state.json").read_text())
+    assert final["step"] == 3 and final["async"]["next_batch"] == 3
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["async/staleness/max"] == 0  # batch 2 generated afresh under the restored weights
+
