@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -120,6 +121,17 @@ class Driver:
                if (match := TORCH_SHM.match(name)) and int(match.group(1)) in self.pids]
         return alive, shm
 
+    @contextmanager
+    def leaves_nothing(self):
+        """Around a life: on the way out, whatever happened, what is left of the run is killed; if the life ended
+        normally, nothing may have been left (`leftovers`)."""
+        try:
+            yield
+        finally:
+            alive, shm = self.leftovers()
+            self.kill_leftovers()
+        assert not alive and not shm, (alive, shm)
+
     def kill_leftovers(self, *, remove_shm: bool = True) -> list[str]:
         """SIGKILL what is left of the run; its shared memory, which nothing can unlink then, is removed too
         unless `remove_shm` is false (the next start of the run directory must remove it): returns those names."""
@@ -170,16 +182,12 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path):
 
     # 1. SIGTERM to the driver's process group while step 2 generates.
     driver = Driver(tmp_path, tmp_path / "life1.log")
-    try:
+    with driver.leaves_nothing():
         driver.watch(_phase_started(run_dir, 2, "gen"))
         signalled = time.monotonic()
         os.killpg(driver.process.pid, signal.SIGTERM)
         assert driver.wait() == EXIT_PREEMPTED, driver.output()
         assert time.monotonic() - signalled < PREEMPT_TIMEOUT_S
-    finally:
-        alive, shm = driver.leftovers()
-        driver.kill_leftovers()
-    assert not alive and not shm, (alive, shm)
     controller_log = (run_dir / "logs" / "controller.log").read_text()
     assert "stop requested: step 2 abandoned during gen" in controller_log
     assert "preempted:" in driver.output() and _complete_steps(run_dir) == [1] and _steps_logged(run_dir) == [1]
@@ -188,14 +196,10 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path):
 
     # 2. Ctrl-C (SIGINT to the process group: driver and Ray's processes) while step 3 updates the actor.
     driver = Driver(tmp_path, tmp_path / "life2.log")
-    try:
+    with driver.leaves_nothing():
         driver.watch(_phase_started(run_dir, 3, "update_actor"))
         os.killpg(driver.process.pid, signal.SIGINT)
         assert driver.wait() == EXIT_PREEMPTED, driver.output()
-    finally:
-        alive, shm = driver.leftovers()
-        driver.kill_leftovers()
-    assert not alive and not shm, (alive, shm)
     assert "stop requested: step 3 finished" in (run_dir / "logs" / "controller.log").read_text()
     assert _complete_steps(run_dir) == [1, 3] and _steps_logged(run_dir) == [1, 2, 3]
 
@@ -218,12 +222,8 @@ def test_sigterm_ctrl_c_and_sigkill_each_leave_a_resumable_run(tmp_path):
     assert Path(life3_temp_dir).is_dir()
     scratch = Path(tempfile.mkdtemp(prefix="mr", dir="/tmp"))
     driver = Driver(tmp_path, tmp_path / "life4.log", env={"TMPDIR": str(scratch)})
-    try:
+    with driver.leaves_nothing():
         assert driver.wait() == 0, driver.output()
-    finally:
-        alive, shm = driver.leftovers()
-        driver.kill_leftovers()
-    assert not alive and not shm, (alive, shm)
     assert list(scratch.glob("megarl-ray-*")) == []
     shutil.rmtree(scratch, ignore_errors=True)
     assert not Path(life3_temp_dir).exists()
@@ -241,14 +241,10 @@ def test_sigterm_under_asynchronous_rollout_checkpoints_what_was_trained_and_the
     and trains it as step 3, once."""
     run_dir = tmp_path / "run"
     driver = Driver(tmp_path, tmp_path / "life1.log", recipe=ASYNC_RECIPE, settings=ASYNC_SETTINGS)
-    try:
+    with driver.leaves_nothing():
         driver.watch(_phase_started(run_dir, 2, "update_actor"))
         os.killpg(driver.process.pid, signal.SIGTERM)
         assert driver.wait() == EXIT_PREEMPTED, driver.output()
-    finally:
-        alive, shm = driver.leftovers()
-        driver.kill_leftovers()
-    assert not alive and not shm, (alive, shm)
     assert "stop requested: step 2 finished" in (run_dir / "logs" / "controller.log").read_text()
     assert _complete_steps(run_dir) == [2] and _steps_logged(run_dir) == [1, 2]
     state = json.loads((run_dir / "checkpoints" / "step_2" / "controller_state.json").read_text())
@@ -257,12 +253,8 @@ def test_sigterm_under_asynchronous_rollout_checkpoints_what_was_trained_and_the
     assert state["async"]["next_batch"] == 2 and state["async"]["trained"] == {}
 
     driver = Driver(tmp_path, tmp_path / "life2.log", recipe=ASYNC_RECIPE, settings=ASYNC_SETTINGS)
-    try:
+    with driver.leaves_nothing():
         assert driver.wait() == 0, driver.output()
-    finally:
-        alive, shm = driver.leftovers()
-        driver.kill_leftovers()
-    assert not alive and not shm, (alive, shm)
     assert _complete_steps(run_dir) == [2, 3] and _steps_logged(run_dir) == [1, 2, 3]
     final = json.loads((run_dir / "checkpoints" / "step_3" / "controller_state.json").read_text())
     assert final["step"] == 3 and final["async"]["next_batch"] == 3
