@@ -47,6 +47,12 @@ MODULES = (
     "megarl.engines.offload",
     "megarl.weightsync",
     "megarl.rollout.client",
+    # What a CPU-engine server imports before it serves (`_server_fork` forks servers from here).
+    "uvicorn",
+    "megarl.rollout.cpu_engine.__main__",
+    "megarl.rollout.cpu_engine.engine",
+    "megarl.rollout.cpu_engine.http_server",
+    "megarl.rollout.cpu_engine.weights",
     # The targets' modules, and what the test modules that hold targets import (a rank imports that module).
     "pytest",
     "_tiny",
@@ -56,6 +62,7 @@ MODULES = (
     "_weightsync_ranks",
     "_recipe_values",
     "_engine_spawn",
+    "_server_fork",
 )
 
 for name in MODULES:

@@ -54,7 +54,9 @@ def tokenizer():
 def cpu_engine(tmp_path_factory):
     """Starts the module's CPU-engine servers: `cpu_engine(model_dir, **options)` is `start_cpu_engine`'s
     handle (healthy), with its log in a temp dir unless `log_path` is given; every server started is stopped
-    when the module ends, and its process is seen to exit."""
+    when the module ends, and its process is seen to exit. The servers are forked from the session's forkserver
+    (`_server_fork`) unless `spawn` says otherwise (`spawn_server`: a fresh process)."""
+    from _server_fork import fork_server
     from megarl.rollout.server import start_cpu_engine
 
     logs = tmp_path_factory.mktemp("cpu_engine_logs")
@@ -62,6 +64,7 @@ def cpu_engine(tmp_path_factory):
 
     def start(model_dir, **options):
         options.setdefault("log_path", logs / f"server-{len(handles)}.log")
+        options.setdefault("spawn", fork_server)
         handles.append(start_cpu_engine(model_dir, **options))
         return handles[-1]
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from _http import call as http_call, weight_checksums
 from _tiny import greedy_continuation, served_model
+from _server_fork import fork_server
 from megarl.ports import free_port
 from megarl.rollout.server import ServerStartError, start_cpu_engine
 from megarl.rollout.weight_wire import new_update_group, serialize_named_tensors
@@ -617,7 +618,8 @@ def test_dtype_serves_in_the_checkpoints_or_the_given_dtype_and_refuses_lossy_up
     with pytest.raises(WeightUpdateError, match=r"model\.norm\.weight: dtype torch\.float32 != model dtype"):
         apply_named_tensors(model, [("model.norm.weight", torch.ones(64))])
 
-    handle = start_cpu_engine(model_dirs["base"], api_key=API_KEY, log_path=tmp_path / "server.log", dtype="bfloat16")
+    handle = start_cpu_engine(model_dirs["base"], api_key=API_KEY, log_path=tmp_path / "server.log", dtype="bfloat16",
+                              spawn=fork_server)
     try:
         info = call(handle, "/get_server_info", method="GET")[1]
         digests = weight_checksums(handle.url, key=API_KEY)

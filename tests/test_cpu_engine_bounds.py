@@ -25,6 +25,8 @@ from _http import call as http_call
 from _tiny import served_model
 from test_cpu_engine import API_KEY, VOCAB, call, word_tokenizer
 
+from megarl.rollout.server import spawn_server
+
 
 pytestmark = [pytest.mark.robust, pytest.mark.dist]
 
@@ -42,7 +44,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, cpu_engine):
-    return cpu_engine(model_dir, api_key=API_KEY, max_sequences=MAX_SEQUENCES, max_reply_entries=MAX_REPLY_ENTRIES)
+    # A fresh process, not a fork: its command line is what a test below reads.
+    return cpu_engine(model_dir, api_key=API_KEY, max_sequences=MAX_SEQUENCES, max_reply_entries=MAX_REPLY_ENTRIES,
+                      spawn=spawn_server)
 
 
 def generate(server, **body) -> tuple[int, dict]:

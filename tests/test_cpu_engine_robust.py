@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from _tiny import served_model
+from _server_fork import fork_server
 from test_cpu_engine import API_KEY, VOCAB, call, word_tokenizer
 from test_weight_wire import gadgets
 
@@ -239,7 +240,7 @@ def test_bad_server_arguments_are_one_line_exit_2(model_dir, args, needle):
 
 def test_a_server_without_a_key_warns_that_it_is_open(model_dir, tmp_path):
     log = tmp_path / "open.log"
-    handle = start_cpu_engine(model_dir, log_path=log)
+    handle = start_cpu_engine(model_dir, log_path=log, spawn=fork_server)
     handle.stop()
     assert "no --api-key: every endpoint, weight updates included, is open" in log.read_text()
 

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _settings import sampling
+from _server_fork import fork_server
 from _tiny import greedy_continuation
 from test_cpu_engine import (
     API_KEY,
@@ -83,7 +84,8 @@ def other(models):
 
 def start(models, name: str, **options):
     return start_cpu_engine(models["base"], api_key=API_KEY, log_path=models["root"] / f"{name}.log",
-                            weight_version="v0", health_check_timeout_s=HEALTH_TIMEOUT_S, **options)
+                            weight_version="v0", health_check_timeout_s=HEALTH_TIMEOUT_S, spawn=fork_server,
+                            **options)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 import torch
 from _engine_spawn import run_spawned
 from _settings import sampling
+from _server_fork import fork_server
 from _weightsync_ranks import (
     API_KEY,
     ARCH,
@@ -111,7 +112,8 @@ def test_transport_loads_the_trainer_weights_exactly(client, name, tmp_path):
 def test_shared_bucket_buffers_leave_nothing_in_dev_shm_once_trainer_and_server_are_done(server, tmp_path):
     """The colocated buffers are /dev/shm files that both sides map; each side's release at close (the
     trainer's `syncer.close`, the server's shutdown) must remove them, or every run leaks its buckets."""
-    handle = start_cpu_engine(server.log_path.parent / "model", api_key=API_KEY, log_path=tmp_path / "server.log")
+    handle = start_cpu_engine(server.log_path.parent / "model", api_key=API_KEY, log_path=tmp_path / "server.log",
+                              spawn=fork_server)
     before = set(Path("/dev/shm").iterdir())
     try:
         with RolloutClient([handle.url], api_key=API_KEY, timeout_s=60) as client:
@@ -272,7 +274,8 @@ def test_distributed_groups_are_rebuilt_after_a_server_restarts_at_the_same_url(
     plan = build_plan(ARCH, TrainerLayout(), dtype=torch.float32, bucket_bytes=BUCKET_BYTES)
     sync = EngineWeightSync()
     for seed in (51, 52):  # the second push finds a new server process behind the same URL
-        handle = start_cpu_engine(tmp_path / "model", port=port, api_key=API_KEY, log_path=tmp_path / f"{seed}.log")
+        handle = start_cpu_engine(tmp_path / "model", port=port, api_key=API_KEY, log_path=tmp_path / f"{seed}.log",
+                                  spawn=fork_server)
         try:
             hf = trainer_weights(seed)
             local = local_shards(hf, TrainerLayout(), padded_vocab=plan.padded_vocab)
@@ -325,7 +328,7 @@ def test_megatron_moe_ep2_push_loads_every_expert_into_the_server(tmp_path):
             for param in model.parameters():
                 param.normal_(0, 0.1)  # HF leaves experts and router uninitialised
         model.save_pretrained(tmp_path / name)
-    handle = start_cpu_engine(tmp_path / "served", api_key=API_KEY, log_path=tmp_path / "server.log")
+    handle = start_cpu_engine(tmp_path / "served", api_key=API_KEY, log_path=tmp_path / "server.log", spawn=fork_server)
     try:
         results = run_spawned(megatron_moe_ep_push, world_size=2, layout={"tp": 1, "pp": 1, "ep": 2}, timeout_s=240,
                               checkpoint=str(tmp_path / "trainer"), url=handle.url)

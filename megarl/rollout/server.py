@@ -45,7 +45,7 @@ class ServerHandle:
     """A running engine process: its URL, PID, log file and API key."""
 
     url: str
-    process: subprocess.Popen
+    process: subprocess.Popen  # or what has its pid, returncode, poll() and wait(timeout)
     log_path: Path
     api_key: str | None = None
     stop_signal: int = signal.SIGTERM  # SIGINT where the server runs shielded from SIGTERM (megarl.processes)
@@ -186,9 +186,13 @@ def start_cpu_engine(
     log_path: str | Path | None = None,
     env: dict[str, str] | None = None,
     startup_timeout_s: float = 120.0,
+    spawn: Callable[..., ServerHandle] = spawn_server,
     **options: Any,
 ) -> ServerHandle:
-    """Start one CPU engine server and wait until it is healthy; `options` are `cpu_engine_command`'s."""
+    """Start one CPU engine server and wait until it is healthy; `options` are `cpu_engine_command`'s.
+
+    `spawn` starts the process (`spawn_server`'s arguments); the tests pass one that forks the server from a
+    process that has already imported torch and transformers."""
     port = port if port is not None else free_port(host)
     if log_path is None:
         handle, name = tempfile.mkstemp(prefix=f"megarl-cpu-engine-{port}-", suffix=".log")
@@ -198,8 +202,8 @@ def start_cpu_engine(
     command = cpu_engine_command(model_path, host=host, port=port, config=secrets, threads=threads, **options)
     # Each engine owns `threads` cores at most; more OpenMP threads only thrash shared CPUs.
     process_env = {**(env or {}), "OMP_NUM_THREADS": str(threads)}
-    server = spawn_server(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key,
-                          secrets_path=secrets)
+    server = spawn(command, url=f"http://{host}:{port}", log_path=log_path, env=process_env, api_key=api_key,
+                   secrets_path=secrets)
     try:
         wait_healthy(server.url, exit_code=server.process.poll, log_tail=server.log_tail,
                      timeout_s=startup_timeout_s, what=f"CPU engine (log {server.log_path})")
