@@ -307,6 +307,23 @@ def checkpoint_outputs(*, rank: int, checkpoint: str, ckpt_dir: str, batch: dict
     draws()  # as above
     again.load_checkpoint(ckpt_dir, load_optimizer=True)
     out["same_layout_rng"] = draws()
+    out.update(_fused_reference(again, checkpoint, step=step, eval_log_probs=eval_log_probs))
+    return out
+
+
+def _fused_reference(actor, checkpoint: str, *, step, eval_log_probs) -> dict:
+    """A frozen reference built beside a trainable actor in the same process and process group (the fused
+    actor-reference worker, `MegatronWorker.init_reference`): its log-probs around one update of the actor and
+    one offload/onload of its own, the actor's metrics of that update, and both after `copy_weights_from`."""
+    reference = policy_engine(checkpoint, optim=None)
+    out = {"fused_ref_before": eval_log_probs(reference)}
+    out["fused_actor_metrics"] = step(actor)
+    out["fused_ref_after_update"] = eval_log_probs(reference)
+    reference.offload(weights=True)
+    reference.onload()
+    out["fused_ref_after_onload"] = eval_log_probs(reference)
+    reference.copy_weights_from(actor)
+    out["fused_ref_copied"], out["fused_actor_log_probs"] = eval_log_probs(reference), eval_log_probs(actor)
     return out
 
 

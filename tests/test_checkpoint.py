@@ -139,3 +139,20 @@ def test_checkpoints_store_layer_norms_under_transformer_engine_keys(job):
     assert {"decoder.layers.self_attention.linear_qkv.layer_norm_weight",
             "decoder.layers.mlp.linear_fc1.layer_norm_weight"} <= keys
     assert not any("input_layernorm" in key or "pre_mlp_layernorm" in key or "_extra_state" in key for key in keys)
+
+
+def test_a_fused_reference_keeps_its_weights_beside_a_training_actor_and_takes_the_actors_on_copy(job):
+    # A frozen reference built in the actor's processes and process group (the fused actor-reference worker),
+    # at TP2xPP2 beside the actor loaded at the saved layout.
+    for out in job["out"]:
+        before = out["fused_ref_before"]
+        # The actor's update beside it is the continued run's second update: the same computation in the same
+        # order, so equal up to nothing (1e-6 relative only guards against a reordered reduction).
+        assert out["fused_actor_metrics"] == pytest.approx(out["metrics_2"], rel=1e-6)
+        # It moves nothing of the reference, nor does the reference's own offload round trip.
+        assert torch.equal(out["fused_ref_after_update"], before)
+        assert torch.equal(out["fused_ref_after_onload"], before)
+        # The reference is the untrained policy (two updates at lr 1e-2 move log-probs by far more than 1e-3) ...
+        assert (before - out["fused_actor_log_probs"]).abs().max() > 1e-3
+        # ... until it takes the actor's weights: then the same model in the same process, bit for bit.
+        assert torch.equal(out["fused_ref_copied"], out["fused_actor_log_probs"])

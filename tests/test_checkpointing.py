@@ -22,11 +22,13 @@ from megarl.config import dump_recipe, load_recipe
 from megarl.controller.checkpointing import (
     MARKER,
     complete_steps,
+    load_step,
     remove_incomplete,
     save_step,
     verify,
 )
 from megarl.controller.resume import check_compatible, resume_or_start
+from megarl.controller.roles import PolicyRole, Roles
 from megarl.errors import InputError
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-grpo-cpu.yaml"
@@ -47,11 +49,13 @@ class FileWritingGroup:
         (path / "__0_0.distcp").write_bytes(bytes(range(256)) * (self.saves + 1))
 
 
-def _roles(reference: bool = True):
-    return SimpleNamespace(
-        actor=SimpleNamespace(group=FileWritingGroup("actor")), critic=None,
-        reference=SimpleNamespace(group=FileWritingGroup("reference")) if reference else None,
-    )
+def _roles(reference: bool = True, *, actor_group=None, reference_group=None, **reference_kind) -> Roles:
+    """The run's roles on groups that write (or record) checkpoints; `reference_kind`: PolicyRole's `fused` or
+    `adapters` for a reference on the actor's group."""
+    actor = PolicyRole(actor_group or FileWritingGroup("actor"), batching=None)
+    ref_group = actor.group if reference_kind else reference_group or FileWritingGroup("reference")
+    return Roles(actor=actor, rollout=None, reward=None, memory=None,
+                 reference=PolicyRole(ref_group, batching=None, **reference_kind) if reference else None)
 
 
 def _recipe(tmp_path: Path, *overrides: str):
@@ -205,8 +209,6 @@ def test_start_over_with_only_launcher_files_moves_nothing(tmp_path):
 
 
 def test_weights_only_saves_and_loads_without_optimizer_state(tmp_path):
-    from megarl.controller.checkpointing import load_step
-
     recipe, run_dir, roles = _recipe(tmp_path), tmp_path / "run", _roles()
     checkpoint = save_step(roles, run_dir, step=1, controller_state={"step": 1}, recipe_text=dump_recipe(recipe),
                            keep_last=0, weights_only=True)
@@ -215,22 +217,37 @@ def test_weights_only_saves_and_loads_without_optimizer_state(tmp_path):
 
     calls = []
 
-    def recording():  # a group of its own per role (a reference on the actor's group is a LoRA actor's base)
+    def recording():
         return SimpleNamespace(run=lambda method, path, **kwargs: calls.append((method.__name__, Path(path).name,
                                                                                   kwargs)))
 
-    load_step(SimpleNamespace(actor=SimpleNamespace(group=recording()), critic=None,
-                              reference=SimpleNamespace(group=recording())), checkpoint)
+    load_step(_roles(actor_group=recording(), reference_group=recording()), checkpoint)
     assert calls == [("load_checkpoint", "actor", {"load_optimizer": False}),
-                     ("load_checkpoint", "reference", {"load_optimizer": False})]
+                     ("load_checkpoint", "reference", {"load_optimizer": False, "reference": False})]
 
 
 def test_a_lora_actors_reference_is_neither_saved_nor_loaded(tmp_path):
     """With LoRA the reference is the actor's group with its adapters off: nothing of its own to checkpoint."""
     recipe, run_dir = _recipe(tmp_path), tmp_path / "run"
-    actor = SimpleNamespace(group=FileWritingGroup("actor"))
-    roles = SimpleNamespace(actor=actor, critic=None, reference=SimpleNamespace(group=actor.group))
+    roles = _roles(adapters=False)
     checkpoint = save_step(roles, run_dir, step=1, controller_state={"step": 1}, recipe_text=dump_recipe(recipe),
                            keep_last=0, weights_only=False)
     assert json.loads((checkpoint.path / MARKER).read_text())["roles"] == ["actor"]
-    assert actor.group.saves == 1 and not (checkpoint.path / "reference").exists()
+    assert roles.actor.group.saves == 1 and not (checkpoint.path / "reference").exists()
+
+
+def test_a_fused_reference_is_saved_and_loaded_through_the_actors_ranks_as_reference(tmp_path):
+    """A reference fused into the actor's workers writes the same `reference/` directory as one on ranks of its
+    own (so either loads the other's checkpoints), through the actor's group with `reference=True`."""
+    recipe, run_dir = _recipe(tmp_path), tmp_path / "run"
+    roles = _roles(fused=True)
+    checkpoint = save_step(roles, run_dir, step=1, controller_state={"step": 1}, recipe_text=dump_recipe(recipe),
+                           keep_last=0, weights_only=False)
+    assert json.loads((checkpoint.path / MARKER).read_text())["roles"] == ["actor", "reference"]
+    saved = json.loads((checkpoint.path / "reference" / "metadata.json").read_text())
+    assert saved["reference"] is True and roles.actor.group.saves == 2
+    assert json.loads((checkpoint.path / "actor" / "metadata.json").read_text()).get("reference") is None
+    calls = []
+    group = SimpleNamespace(run=lambda method, path, **kwargs: calls.append((Path(path).name, kwargs)))
+    load_step(_roles(actor_group=group, fused=True), checkpoint)
+    assert calls == [("actor", {"load_optimizer": True}), ("reference", {"load_optimizer": False, "reference": True})]

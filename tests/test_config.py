@@ -13,9 +13,11 @@ import yaml
 
 from megarl.config import (
     active_roles,
+    dump_recipe,
     load_recipe,
     resolve_layout,
 )
+from megarl.config.layout import reference_fused
 from megarl.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +118,27 @@ def test_layout_resolution(cluster: Path) -> None:
     with_kl = load_recipe(cluster, ["actor.use_kl_loss=true"])
     assert active_roles(with_kl) == ("actor", "critic", "reference", "rollout")
     assert resolve_layout(with_kl)["reference"].dp == 16
+
+
+def test_the_reference_runs_in_the_actors_ranks_when_it_shares_their_pool_and_layout(cluster: Path) -> None:
+    from megarl.cluster.placement import plan_pools
+
+    same = load_recipe(cluster, ["actor.use_kl_loss=true", "reference.parallel.tp=2", "reference.parallel.pp=2"])
+    assert reference_fused(same)
+    pools = plan_pools(same)
+    # Fused: no workers of its own, so the actor's, the critic's and the servers' shares of a slot stay thirds.
+    assert pools["reference"] is pools["actor"] and pools["actor"].roles == ["actor", "critic", "rollout"]
+    assert "#   reference  pool colocated (2x8)  world 16  tp 2  pp 2  vpp -  ep 1  dp 4  sp off  (in the actor's ranks)" \
+        in dump_recipe(same).splitlines()
+    other_layout = load_recipe(cluster, ["actor.use_kl_loss=true"])  # the reference at TP1 (DP16)
+    assert not reference_fused(other_layout)
+    assert plan_pools(other_layout)["actor"].roles == ["actor", "critic", "reference", "rollout"]
+    other_pool = load_recipe(cluster, [
+        "actor.use_kl_loss=true", "reference.parallel.tp=2", "reference.parallel.pp=2", *DISAGGREGATED[:2],
+        "placement.roles={actor: train, critic: train, reference: gen, rollout: gen}", DISAGGREGATED[3],
+        "rollout.num_servers=2"])
+    assert not reference_fused(other_pool)
+    assert not reference_fused(load_recipe(cluster))  # no KL: no reference at all
 
 
 def test_exponent_floats_in_yaml_are_floats(tmp_path: Path) -> None:

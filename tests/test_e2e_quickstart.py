@@ -34,7 +34,7 @@ METRIC_KEYS = [
     *(f"{group}/{stat}" for group in ("response_length", "prompt_length")
       for stat in ("mean", "max", "min", "clip_ratio")),
     "perf/throughput", "perf/weight_sync_gbps", "rollout/logprob_diff",
-    "perf/max_memory_gb/actor", "perf/max_memory_gb/reference", "perf/max_memory_gb/rollout",
+    "perf/max_memory_gb/actor", "perf/max_memory_gb/rollout", "perf/train_state_gb/reference",
 ]
 
 
@@ -91,6 +91,11 @@ def test_short_run_logs_the_contract(grpo_reference):
         assert record["rollout/logprob_diff"] < 1e-4
     assert "val/score/mean" in first[0] and "val/score/megarl/arithmetic" in steps[-1]
     run_dir = grpo_reference.run_dir
+    # The reference shares the actor's pool and layout: it runs inside the actor's ranks (no processes, logs or
+    # memory peak of its own), and holds the weights alone (no gradients or optimizer state beside them).
+    assert sorted(path.name for path in (run_dir / "logs").glob("reference-*.log")) == []
+    assert all("perf/max_memory_gb/reference" not in record for record in steps)
+    assert 0 < steps[0]["perf/train_state_gb/reference"] < steps[0]["perf/train_state_gb/actor"] / 3
     assert "name: full\n" in (run_dir / "recipe.yaml").read_text()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     # Saved every step, the 3 newest kept; the same command again resumes a finished run: nothing to do.

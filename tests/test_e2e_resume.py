@@ -12,9 +12,10 @@ seeds, optimizer, LR schedule, update counter, reference weights, weight version
 changes the sampled tokens or the update and shows up here; so would the sleep/wake
 cycle changing a single sampled token, score or update.
 
-The GRPO run's checkpoint of step N also resumes into another layout (actor and reference
-at TP2, two rollout servers), and there a rollout server is killed while the actor
-updates: the run goes on, nothing hangs or repeats (this resume shares its start-up).
+The GRPO run's checkpoint of step N also resumes into another layout (the actor at TP2, the
+reference at DP2 on ranks of its own, loading what the reference fused into the actor's ranks
+saved, two rollout servers), and there a rollout server is killed while the actor updates: the
+run goes on, nothing hangs or repeats (this resume shares its start-up).
 """
 
 from __future__ import annotations
@@ -108,9 +109,11 @@ def test_grpo_resume_is_exact_and_continues_metrics_tensorboard_and_other_layout
     assert len(samples) == 4 and {"prompt", "response", "score", "data_source", "ground_truth"} <= set(samples[0])
     assert len((resumed_dir / "samples" / "train_step_3.jsonl").read_text().splitlines()) == 2
 
-    # The checkpoint of step N, resumed with the actor and reference at TP2 over two processes and two rollout
-    # servers, to step N+3. The weights load exactly, so step N+1 samples the same tokens; its log-probs and
-    # update differ only by the float noise of the TP2 matmuls (summation order: ~1e-6 relative in float32).
+    # The checkpoint of step N, resumed with the actor at TP2 over two processes, the reference at DP2 (a layout
+    # other than the actor's, so on two ranks of its own: the reference saved from inside the actor's ranks loads
+    # there) and two rollout servers, to step N+3. The weights load exactly, so step N+1 samples the same tokens;
+    # its log-probs and update differ only by the float noise of the TP2 matmuls (summation order: ~1e-6
+    # relative in float32).
     # At the start of step N+1's update_actor the driver SIGKILLs server 0 (found through the run's own fleet):
     # see _a_server_killed_during_update_actor.
     killed, seen = [], {}
@@ -129,7 +132,7 @@ def test_grpo_resume_is_exact_and_continues_metrics_tensorboard_and_other_layout
     shutil.copytree(grpo_reference.run_dir / "checkpoints" / f"step_{N}", layout_dir / "checkpoints" / f"step_{N}")
     rows = GRPO_PROMPTS * GRPO_N  # every sample of a step is written, so each step's batch can be counted
     grpo_reference.train(tmp_path, "tp2", f"trainer.total_steps={FAULT_END}", "placement.gpus_per_node=2",
-                         "rollout.num_servers=2", "actor.parallel.tp=2", "reference.parallel.tp=2",
+                         "rollout.num_servers=2", "actor.parallel.tp=2", "reference.parallel.tp=1",
                          f"trainer.samples.train_rows={rows}", "trainer.checkpoint.save_every=0", on_phase=on_phase)
     (step,) = [r for r in records(layout_dir) if r["step"] == N + 1]
     (same,) = [r for r in reference if r["step"] == N + 1]
@@ -139,6 +142,9 @@ def test_grpo_resume_is_exact_and_continues_metrics_tensorboard_and_other_layout
         assert math.isclose(step[key], same[key], rel_tol=1e-4, abs_tol=1e-6), (key, step[key], same[key])
     assert json.loads((layout_dir / "checkpoints" / f"step_{FAULT_END}" / "actor" / "megarl_checkpoint.json")
                       .read_text())["saved_layout"]["tp"] == 2
+    assert sorted(path.name for path in (layout_dir / "logs").glob("reference-*.log")) == [
+        "reference-0.log", "reference-1.log"]
+    assert not list((grpo_reference.run_dir / "logs").glob("reference-*.log"))  # saved by the fused reference
     _a_server_killed_during_update_actor(layout_dir, killed, seen, rows=rows)
 
 

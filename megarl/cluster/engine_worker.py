@@ -46,6 +46,7 @@ class MegatronWorker:
         if log_path is not None:
             _redirect_output(log_path)
         self.engine = None  # a TrainEngine once init_engine ran
+        self.reference = None  # a frozen PolicyEngine beside the actor once init_reference ran
         self._weight_sync = None
         self._adapter_sync = None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -83,6 +84,28 @@ class MegatronWorker:
 
             self.engine = RewardModelEngine(**common)
 
+    def init_reference(self, settings: EngineSettings, *, hf_config: dict, weights: str | None) -> None:
+        """Build the frozen reference policy beside this rank's actor, in the same process group (the fused
+        actor-reference worker: a reference with the actor's pool and layout needs no ranks of its own)."""
+        from megarl.engines.actor import PolicyEngine
+
+        if settings.optimizer is not None or settings.lora is not None:
+            raise ValueError("init_reference: the reference is frozen and has no adapters")
+        self.reference = PolicyEngine(hf_config=hf_config, weights=weights, seed=settings.seed,
+                                      params_dtype=settings.params_dtype,
+                                      transformer_impl=settings.transformer_impl, optimizer=None)
+
+    def _engine(self, reference: bool):
+        """The engine a call is for: the fused reference (`reference=True`) or the rank's own."""
+        if not reference:
+            return self.engine
+        if self.reference is None:
+            raise RuntimeError("this worker holds no reference engine (init_reference was not called)")
+        return self.reference
+
+    def _engines(self) -> list:
+        return [engine for engine in (self.engine, self.reference) if engine is not None]
+
     def parallel_layout(self) -> dict[str, Any]:
         from megarl.engines.distributed import parallel_layout
 
@@ -93,10 +116,12 @@ class MegatronWorker:
         return result if self.parallel_layout()["is_output"] else None
 
     def compute_log_prob(self, shard: Batch, *, key: str, temperature: float, with_entropy: bool,
-                         batching: Batching, adapters: bool = True) -> Batch | None:
-        """Log-probs (and entropy) of this rank's rows under `key`; `adapters=False`: a LoRA policy's base model."""
-        log_probs, entropy = self.engine.compute_log_prob(shard, temperature=temperature, with_entropy=with_entropy,
-                                                          batching=batching, adapters=adapters)
+                         batching: Batching, adapters: bool = True, reference: bool = False) -> Batch | None:
+        """Log-probs (and entropy) of this rank's rows under `key`; `adapters=False`: a LoRA policy's base model;
+        `reference=True`: the fused reference's."""
+        engine = self._engine(reference)
+        log_probs, entropy = engine.compute_log_prob(shard, temperature=temperature, with_entropy=with_entropy,
+                                                     batching=batching, adapters=adapters)
         out = {key: log_probs, **({"entropy": entropy} if with_entropy else {})}
         return self._output(Batch.from_dict(out))
 
@@ -113,26 +138,36 @@ class MegatronWorker:
     def sft_step(self, shard: Batch, *, batching: Batching, lr: float) -> dict[str, float] | None:
         return self._output(self.engine.sft_step(shard, batching=batching, lr=lr))
 
-    def save_checkpoint(self, ckpt_dir: str, *, weights_only: bool = False) -> None:
-        """Distributed checkpoint of this role (collective over its ranks)."""
-        self.engine.save_checkpoint(ckpt_dir, weights_only=weights_only)
+    def save_checkpoint(self, ckpt_dir: str, *, weights_only: bool = False, reference: bool = False) -> None:
+        """Distributed checkpoint of this role, or of the fused reference (collective over its ranks)."""
+        self._engine(reference).save_checkpoint(ckpt_dir, weights_only=weights_only)
 
-    def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool) -> None:
-        self.engine.load_checkpoint(ckpt_dir, load_optimizer=load_optimizer)
+    def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool, reference: bool = False) -> None:
+        self._engine(reference).load_checkpoint(ckpt_dir, load_optimizer=load_optimizer)
 
     def load_policy_checkpoint(self, ckpt_dir: str) -> None:
         """The weights of a policy's checkpoint (a value model takes the backbone); each rank reads its shards."""
         self.engine.load_policy_checkpoint(ckpt_dir)
+
+    def copy_actor_to_reference(self) -> None:
+        """The fused reference takes the actor's current weights (after the SFT warm-up): the same layout in the
+        same process, so tensor by tensor, with no checkpoint in between."""
+        self.reference.copy_weights_from(self.engine)
 
     def reset_optimizer_state(self) -> None:
         """Forget Adam moments (e.g. after the SFT warm-up) so they do not leak into RL updates."""
         self.engine.reset_optimizer_state()
 
     def offload(self, *, weights: bool) -> None:
+        """Off the device: the engine's optimizer state and gradients (and its weights with `weights`); a fused
+        reference always goes whole, since it has nothing to do between its log-prob pass and the next step's."""
         self.engine.offload(weights=weights)
+        if self.reference is not None:
+            self.reference.offload(weights=True)
 
     def onload(self) -> None:
-        self.engine.onload()
+        for engine in self._engines():
+            engine.onload()
 
     def peak_memory_gb(self) -> float:
         """This rank's peak memory: device memory on a GPU, the process's resident set on CPU."""
@@ -140,9 +175,9 @@ class MegatronWorker:
             return torch.cuda.max_memory_allocated() / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
-    def train_state_gb(self) -> float:
-        """The weights, gradient buffers and optimizer state this rank's engine holds while it trains."""
-        return self.engine.train_state_bytes() / 2**30
+    def train_state_gb(self, *, reference: bool = False) -> float:
+        """The weights, gradient buffers and optimizer state this rank's engine (or fused reference) holds."""
+        return self._engine(reference).train_state_bytes() / 2**30
 
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
                      devices: list[list[str]] | None = None) -> dict[str, float] | None:

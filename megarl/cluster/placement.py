@@ -2,8 +2,9 @@
 
 A pool is `nodes x per_node` device slots reserved as Ray placement-group
 bundles (one STRICT_PACK group per node, so a node's ranks stay together).
-Roles that share a pool (actor, reference, rollout by default) put one worker
-each on every bundle and split the slot's resources between them.
+Roles that share a pool (actor, critic, rollout by default) put one worker
+each on every bundle and split the slot's resources between them; a reference
+fused into the actor's workers (`reference_fused`) takes no share.
 `actor_options(rank)` places a Ray actor on slot `rank` with its role's share;
 `slot_gpus` finds the GPU id and UUID Ray gives each slot.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megarl.config import Recipe
-from megarl.config.layout import active_roles, role_pool
+from megarl.config.layout import active_roles, reference_fused, role_pool
 
 @dataclass(eq=False)  # identity semantics: roles sharing a pool share the object
 class ResourcePool:
@@ -106,10 +107,12 @@ def plan_pools(recipe: Recipe) -> dict[str, ResourcePool]:
     """Map every active role to its pool; roles sharing a pool share the ResourcePool object."""
     made: dict[str, ResourcePool] = {}
     placement: dict[str, ResourcePool] = {}
+    fused = reference_fused(recipe)
     for role in active_roles(recipe):
         pool = role_pool(recipe.placement, role)
         if pool.name not in made:
             made[pool.name] = ResourcePool(pool.name, pool.nodes, pool.gpus_per_node, recipe.placement.device)
-        made[pool.name].roles.append(role)
+        if not (role == "reference" and fused):  # a fused reference has no workers to share the slots with
+            made[pool.name].roles.append(role)
         placement[role] = made[pool.name]
     return placement

@@ -17,6 +17,7 @@ from megarl.config.layout import (
     RolloutLayout,
     TrainingLayout,
     active_roles,
+    reference_fused,
     resolve_layout,
 )
 from megarl.config.loader import BASE_KEY
@@ -62,6 +63,8 @@ def layout_summary(recipe: Recipe) -> list[str]:
         lines.append(
             _role_line(role, layouts[role]) if role in active else f"{role:<10} {_unused_reason(recipe, role)}"
         )
+        if role == "reference" and reference_fused(recipe):
+            lines[-1] += "  (in the actor's ranks)"
     return lines
 
 

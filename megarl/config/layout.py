@@ -7,7 +7,7 @@ placement all agree on what a recipe means.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megarl.config.schema import PlacementConfig, Recipe
 from megarl.config.training import Parallel
@@ -118,6 +118,16 @@ def training_layout(recipe: Recipe, role: str) -> TrainingLayout:
         dp=parallel.dp if parallel.dp is not None else derived_dp,
         sequence_parallel=parallel.sequence_parallel,
     )
+
+
+def reference_fused(recipe: Recipe) -> bool:
+    """Whether the reference runs inside the actor's ranks, a second frozen engine in each actor process (as
+    verl's fused actor-reference worker), rather than on ranks of its own: when it is active and shares the
+    actor's pool and layout, processes of its own would only add a runtime per rank (the interpreter, its
+    imports, a CUDA context) holding the same shards on the same devices."""
+    if "reference" not in active_roles(recipe):
+        return False
+    return replace(training_layout(recipe, "reference"), role="actor") == training_layout(recipe, "actor")
 
 
 def rollout_layout(recipe: Recipe, role: str = "rollout") -> RolloutLayout:

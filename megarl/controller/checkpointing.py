@@ -144,13 +144,6 @@ def _link_tree(source: Path, target: Path) -> None:
         os.link(source / name, target / name)
 
 
-def _reference_engine(roles):
-    """The reference role when it runs an engine of its own; a LoRA actor's reference (its base, adapters off)
-    has nothing to save or load."""
-    reference = roles.reference
-    return reference if reference is not None and reference.group is not roles.actor.group else None
-
-
 def save_step(roles, run_dir: Path, *, step: int, controller_state: dict, recipe_text: str, keep_last: int,
               weights_only: bool) -> StepCheckpoint:
     """Write step `step` atomically (see the module docstring), then prune to the newest `keep_last` steps.
@@ -187,10 +180,10 @@ def _save_into(tmp: Path, roles, run_dir: Path, *, step: int, previous: list[Ste
         roles.critic.group.run(MegatronWorker.save_checkpoint, str(tmp / "critic"), weights_only=weights_only)
         saved_roles.append("critic")
     reused: dict[str, str] = {}
-    if _reference_engine(roles) is not None:  # a LoRA actor's reference is its base: nothing of its own to save
+    if roles.reference_engine is not None:  # a LoRA actor's reference is its base: nothing of its own to save
         source = next((c for c in reversed(previous) if "reference" in c.roles), None)
         if source is None:
-            _reference_engine(roles).group.run(MegatronWorker.save_checkpoint, str(tmp / "reference"))
+            roles.reference_engine.save_checkpoint(str(tmp / "reference"))
         else:
             _link_tree(source.path / "reference", tmp / "reference")
             reused = {name: digest for name, digest in source.marker["files"].items()
@@ -223,6 +216,5 @@ def load_step(roles, checkpoint: StepCheckpoint) -> None:
     roles.actor.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "actor"), load_optimizer=with_optimizer)
     if roles.critic is not None:
         roles.critic.group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "critic"), load_optimizer=with_optimizer)
-    if _reference_engine(roles) is not None:
-        _reference_engine(roles).group.run(MegatronWorker.load_checkpoint, str(checkpoint.path / "reference"),
-                                         load_optimizer=False)
+    if roles.reference_engine is not None:
+        roles.reference_engine.load_checkpoint(str(checkpoint.path / "reference"), load_optimizer=False)

@@ -33,14 +33,17 @@ CRITIC_UPDATE_KEYS = INPUT_KEYS + ("response_mask", "values", "returns")
 
 class PolicyRole:
     """A Megatron policy behind its worker group: the trainable actor (with `update` settings) or the frozen
-    reference (without); `adapters=False` makes a LoRA actor's group the reference (its base model)."""
+    reference (without). The reference runs on ranks of its own, or in the actor's: `fused=True` is the frozen
+    engine the actor's workers hold beside the actor (`MegatronWorker.init_reference`), `adapters=False` a LoRA
+    actor with its adapters off (its base model, nothing of its own to save)."""
 
     def __init__(self, group: WorkerGroup, *, batching: Batching, update: PolicyUpdateSettings | None = None,
-                 adapters: bool = True):
+                 adapters: bool = True, fused: bool = False):
         self.group = group
         self.batching = batching
         self.update_settings = update
         self.adapters = adapters
+        self.fused = fused
 
     @property
     def dp_size(self) -> int:
@@ -49,7 +52,7 @@ class PolicyRole:
     def _log_probs(self, batch: Batch, *, key: str, temperature: float, with_entropy: bool) -> Batch:
         shards = self.group.dispatch_dp(MegatronWorker.compute_log_prob, batch.select(list(INPUT_KEYS)), key=key,
                                         temperature=temperature, with_entropy=with_entropy, batching=self.batching,
-                                        adapters=self.adapters)
+                                        adapters=self.adapters, reference=self.fused)
         return Batch.concat(shards)
 
     def compute_log_prob(self, batch: Batch, *, temperature: float) -> tuple[Batch, dict[str, float]]:
@@ -73,6 +76,12 @@ class PolicyRole:
 
     def reset_optimizer_state(self) -> None:
         self.group.run(MegatronWorker.reset_optimizer_state)
+
+    def save_checkpoint(self, ckpt_dir: str, *, weights_only: bool = False) -> None:
+        self.group.run(MegatronWorker.save_checkpoint, ckpt_dir, weights_only=weights_only, reference=self.fused)
+
+    def load_checkpoint(self, ckpt_dir: str, *, load_optimizer: bool) -> None:
+        self.group.run(MegatronWorker.load_checkpoint, ckpt_dir, load_optimizer=load_optimizer, reference=self.fused)
 
     def push_weights(self, *, urls: list[str], api_key: str | None, version: int, settings: WeightSyncSettings,
                      devices: list[list[str]] | None = None) -> dict[str, float]:
@@ -153,16 +162,20 @@ class Roles:
 
     @property
     def reference_engine(self) -> PolicyRole | None:
-        """The reference when it runs an engine of its own (not a LoRA actor with its adapters off)."""
-        if self.reference is None or self.reference.group is self.actor.group:
-            return None
-        return self.reference
+        """The reference when it is an engine with weights of its own, on its ranks or fused into the actor's
+        (not a LoRA actor with its adapters off)."""
+        return self.reference if self.reference is not None and self.reference.adapters else None
 
     def peak_memory(self) -> dict[str, float]:
-        """`perf/max_memory_gb/<role>` of every role that reports one."""
+        """`perf/max_memory_gb/<role>` of every role that reports one (a fused reference shares the actor's
+        processes: its `perf/train_state_gb` alone)."""
+        reference = self.reference_engine
         groups = {"actor": self.actor.group}
-        groups |= {"reference": self.reference_engine.group} if self.reference_engine is not None else {}
+        groups |= {"reference": reference.group} if reference is not None and not reference.fused else {}
         groups |= {"critic": self.critic.group} if self.critic is not None else {}
         metrics = peak_memory_metrics(groups)
+        if reference is not None and reference.fused:
+            metrics["perf/train_state_gb/reference"] = max(reference.group.run(MegatronWorker.train_state_gb,
+                                                                               reference=True))
         rollout = self.rollout.peak_memory_gb()
         return metrics | ({"perf/max_memory_gb/rollout": rollout} if rollout is not None else {})

@@ -28,6 +28,7 @@ from megarl.cluster.placement import plan_pools, total_devices
 from megarl.cluster.ray_cluster import ray_for_run
 from megarl.cluster.worker_group import WorkerGroup
 from megarl.config import Recipe, dump_recipe
+from megarl.config.layout import reference_fused
 from megarl.config.schema import read_hf_config
 from megarl.config.settings import (
     SamplingSettings,
@@ -82,8 +83,8 @@ class _Engines:
     critic: CriticRole | None
 
     def idle_groups(self) -> list[WorkerGroup]:
-        """The groups that sleep through generation and the weight sync (all but the actor's: a LoRA actor's
-        reference runs on it)."""
+        """The groups that sleep through generation and the weight sync (all but the actor's: a fused reference and
+        a LoRA actor's reference run on it, and sleep with it)."""
         return [role.group for role in (self.reference, self.critic)
                 if role is not None and role.group is not self.actor.group]
 
@@ -102,7 +103,11 @@ def _start_engines(recipe: Recipe, *, pools, weights: Path, sampling: SamplingSe
     if recipe.actor.lora is not None and (recipe.algorithm.use_kl_in_reward or recipe.actor.use_kl_loss):
         # No reference engine: the reference policy is the actor's frozen base, its adapters switched off.
         reference = PolicyRole(actor_group, batching=logprob_batching(recipe), adapters=False)
-    if "reference" in pools:
+    if "reference" in pools and reference_fused(recipe):
+        actor_group.run(MegatronWorker.init_reference, engine_settings(recipe, "reference"), hf_config=hf_config,
+                        weights=str(weights))
+        reference = PolicyRole(actor_group, batching=logprob_batching(recipe), fused=True)
+    elif "reference" in pools:
         ref_group = _engine_group(recipe, "reference", pools["reference"], hf_config=hf_config, weights=weights,
                                   log_dir=log_dir)
         cleanup.callback(ref_group.kill)
@@ -129,6 +134,8 @@ def _hand_off_sft(recipe: Recipe, engines: _Engines, *, data, run_dir: Path, tra
     if preemption.requested:
         raise Preempted(None, None)
     reference = engines.reference
+    if reference is not None and reference.fused:
+        engines.actor.group.run(MegatronWorker.copy_actor_to_reference)
     followers = [reference.group] if reference is not None and reference.group is not engines.actor.group else []
     if engines.critic is not None and not recipe.critic.model_path:
         followers.append(engines.critic.group)

@@ -279,6 +279,18 @@ class MegatronEngine:
             # A bf16 model trains fp32 main copies inside the optimizer: refresh them too.
             self.train.optimizer.reload_model_params()
 
+    def copy_weights_from(self, source: MegatronEngine) -> None:
+        """This rank's weights become `source`'s: the same model at the same layout in this process (a fused
+        reference taking the actor's weights after the SFT warm-up)."""
+        targets = [dict(chunk.named_parameters()) for chunk in self.model.chunks]
+        sources = [dict(chunk.named_parameters()) for chunk in source.model.chunks]
+        if [list(t) for t in targets] != [list(s) for s in sources]:
+            raise ValueError("copy_weights_from: the two engines' models differ (other parameters or layout)")
+        with torch.no_grad():
+            for target, source_params in zip(targets, sources):
+                for name, param in target.items():
+                    param.copy_(source_params[name])
+
     def train_state_bytes(self) -> int:
         """The bytes of this rank's weights plus, per trainable parameter, its fp32 gradient, Adam's two fp32
         moments and (for a bf16 / fp16 model) its fp32 main copy: the state a training step keeps."""

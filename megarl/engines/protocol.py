@@ -111,6 +111,9 @@ class TrainEngine(Protocol):
     def load_policy_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Replace the weights with a policy checkpoint's (any layout; a value model takes the backbone only)."""
 
+    def copy_weights_from(self, source: TrainEngine) -> None:
+        """Take `source`'s weights: the same model at the same layout in this process."""
+
     def reset_optimizer_state(self) -> None:
         """Forget the optimizer's moments (the LR schedule is kept)."""
 
