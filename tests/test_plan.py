@@ -123,6 +123,14 @@ def test_offload_off_keeps_the_engines_beside_the_fleet():
     assert peak > {p.phase: p.bytes for p in on.peaks}["train:actor"] + off.pool.weight_bytes
 
 
+def test_a_reference_in_the_actors_processes_leaves_the_fleet_one_cuda_context_more():
+    # The production recipe's reference shares the actor's pool and layout (TP4 x PP2): it runs inside the actor's
+    # processes, so the servers start beside one CUDA context fewer than with the reference at TP2 on its own.
+    fused, separate = _plan(GRPO_8B, "h100-80gb"), _plan(GRPO_8B, "h100-80gb", "reference.parallel.tp=2")
+    assert separate.pool.free_bytes - fused.pool.free_bytes == -(1 << 29)
+    assert fused.pool.bytes - separate.pool.bytes == pytest.approx(0.6 * (1 << 29), abs=1)  # mem_fraction 0.6
+
+
 def test_plan_cli_prints_tables_and_json(capsys):
     assert main(["plan", str(GRPO_8B), "--gpu", "h200"]) == 0
     out = capsys.readouterr().out

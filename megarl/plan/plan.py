@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 
 from megarl.config import Recipe, resolve_layout
+from megarl.config.layout import FLEET_ROLES, reference_fused
 from megarl.config.schema import read_hf_config
-from megarl.config.layout import FLEET_ROLES
 from megarl.models.lora import adapter_shapes
 from megarl.models.spec import Arch, arch_from_hf
 from megarl.plan.gpus import GIB, GpuSpec
@@ -163,11 +163,13 @@ def _role_plans(shape: _Shape) -> list[RolePlan]:
 
 
 def _engines_left(recipe: Recipe, roles: list[RolePlan], pool_name: str) -> int:
-    """What the engines on `pool_name` hold on one of its GPUs while a fleet starts there: their CUDA contexts, and
-    their state unless the colocated cycle has offloaded it (`megarl.controller.run` puts them to sleep first)."""
+    """What the engines on `pool_name` hold on one of its GPUs while a fleet starts there: their CUDA contexts (none
+    for a reference fused into the actor's processes), and their state unless the colocated cycle has offloaded it
+    (`megarl.controller.run` puts them to sleep first)."""
     members = [plan for plan in roles if plan.pool == pool_name]
+    processes = [plan for plan in members if not (plan.role == "reference" and reference_fused(recipe))]
     offloaded = recipe.placement.colocate and recipe.placement.offload
-    return len(members) * CONTEXT_BYTES + (0 if offloaded else sum(plan.memory.state for plan in members))
+    return len(processes) * CONTEXT_BYTES + (0 if offloaded else sum(plan.memory.state for plan in members))
 
 
 def _fleet_pool(recipe: Recipe, arch: Arch, options: Options, roles: list[RolePlan]) -> KvPool:
