@@ -79,9 +79,9 @@ def test_ppo_with_both_kl_options_logs_the_contract(ppo_reference):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_ppo_improves_the_training_score(warmed_quickstart, tmp_path):
-    # From where the recipe's own warm-up (stopped by loss) leaves the policy (and the critic's backbone), the
-    # critic warm-up, then PPO steps, without validation. Nothing reads a checkpoint of this run (the contract
-    # and resume tests use ppo_reference's): the final save of actor and critic (~6 s) is skipped.
+    # From where the recipe's own warm-up (stopped by its held-out accuracy) leaves the policy (and the critic's
+    # backbone), the critic warm-up, then PPO steps, without validation. Nothing reads a checkpoint of this run (the
+    # contract and resume tests use ppo_reference's): the final save of actor and critic (~6 s) is skipped.
     records = _run(tmp_path, "learn", "trainer.total_steps=14", "trainer.val_every=0",
                    f"model.path={warmed_quickstart}", "sft_warmup.steps=0", "trainer.checkpoint.enabled=false")
     scores = [record["critic/score/mean"] for record in records if "critic/score/mean" in record]

@@ -53,7 +53,8 @@ def _check_the_log_of_a_file(err: str, run_dir: Path) -> None:
     plain line per step; controller.log has the banner, the warm-up's end and each validation."""
     lines = err.splitlines()
     warmup, total = WARMUP_STEPS, STEPS
-    warmup_limit = f"at most {warmup}" if load_recipe(QUICKSTART).sft_warmup.stop_loss is not None else f"{warmup}"
+    stops = load_recipe(QUICKSTART).sft_warmup
+    warmup_limit = f"at most {warmup}" if stops.stop_loss or stops.stop_accuracy else f"{warmup}"
     start = lines.index(f"megarl train full: fresh run, {total} steps after an SFT warm-up of {warmup_limit} steps")
     assert lines[start + 1] == f"  run dir  {run_dir}"
     assert lines[start + 2].startswith("  metrics  metrics.jsonl, sft_metrics.jsonl (the warm-up), tensorboard/")
@@ -108,9 +109,9 @@ def test_short_run_logs_the_contract(grpo_reference):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_grpo_improves_the_training_score(warmed_quickstart, tmp_path):
-    # From where the recipe's own warm-up (stopped by loss) leaves the policy, 12 GRPO steps without validation,
-    # with dynamic micro-batches (packed sequences) in log-probs and updates. Nothing reads a checkpoint of this
-    # run (the contract and resume tests use grpo_reference's): the final save (~4 s) is skipped.
+    # From where the recipe's own warm-up (stopped by its held-out accuracy) leaves the policy, 12 GRPO steps
+    # without validation, with dynamic micro-batches (packed sequences) in log-probs and updates. Nothing reads a
+    # checkpoint of this run (the contract and resume tests use grpo_reference's): the final save (~4 s) is skipped.
     records = _run(tmp_path, "learn", "trainer.total_steps=12", "trainer.val_every=0",
                    "actor.max_tokens_per_microbatch=1024", f"model.path={warmed_quickstart}", "sft_warmup.steps=0",
                    "trainer.checkpoint.enabled=false")

@@ -4,9 +4,9 @@ session's Ray cluster.
 The reward model's backbone continues the session's warmed-up quickstart policy
 (`warmed_quickstart`) for 160 supervised steps (`reward_model.train.init_path`, `sft_steps`):
 that warm-up is the recipe's own backbone warm-up (same seed-0 model, data and order, lr,
-batch and micro-batch) stopped by its loss target near step 230, so the backbone gets about
-the recipe's 400 supervised steps (with fresh Adam moments after the first ~230), the first
-~230 paid for once per session. Then 500 Bradley-Terry steps on arithmetic preference pairs,
+batch and micro-batch) stopped by its held-out accuracy at step 235 (seed 0), so the backbone
+gets about the recipe's 400 supervised steps (with fresh Adam moments after the first ~235),
+the first ~235 paid for once per session. Then 500 Bradley-Terry steps on arithmetic preference pairs,
 validated once, at the end (only the final accuracy is asserted); GRPO then trains on its
 scores alone (`reward.combine: rm`) for 15 steps, without a final checkpoint (nothing reads
 it). The rule score is never a reward here, yet the greedy validation rule score on 500
@@ -26,7 +26,7 @@ from megarl.config import load_recipe
 from megarl.controller.run import train
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "quickstart-rm-cpu.yaml"
-BACKBONE_STEPS, RM_STEPS = 160, 500  # after the warmed policy's ~230; 32,000 pairs of 64
+BACKBONE_STEPS, RM_STEPS = 160, 500  # after the warmed policy's ~235; 32,000 pairs of 64
 # This configuration on the 2-core machine, 2026-12-01 (loaded: load 10-20): seed 0: the warm-up stopped at step 232;
 # reward-model validation accuracy 0.888 (0.66 after 50 Bradley-Terry steps, 0.80 after 150, 0.91 after 400); mean
 # reward/rm_rule_corr 0.58 over the steps; validation rule score 0.454 -> 0.506 (+0.052) after 20 GRPO steps, and

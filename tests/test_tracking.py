@@ -120,8 +120,8 @@ def test_the_warm_up_writes_its_own_metrics_and_progress_and_leaves_the_step_rec
     tracker = Tracker(tmp_path, total_steps=4)  # console on: pytest's captured stderr is no terminal
     limit = SFT_EVERY + 5
     for step in range(1, limit + 1):
-        tracker.log_sft(step, {"sft/loss": 1.0 / step, "sft/grad_norm": 0.5}, limit=limit, loss=1.0 / step,
-                        target=None)
+        tracker.log_sft(step, {"sft/loss": 1.0 / step, "sft/grad_norm": 0.5}, limit=limit,
+                        summary=f"loss {1.0 / step:.4f}")
     tracker.log(1, {"critic/score/mean": 0.5, "timing_s/step": 1.0})
     tracker.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]

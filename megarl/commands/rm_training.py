@@ -162,7 +162,8 @@ def train_reward_model(recipe: Recipe, *, ray_address: str | None = None) -> Rew
         warmed = None
         if train.sft_steps > 0:
             # The policy's warm-up code on the RL data's reference solutions, for a fixed number of steps.
-            warmup = recipe.sft_warmup.model_copy(update={"steps": train.sft_steps, "stop_loss": None})
+            warmup = recipe.sft_warmup.model_copy(
+                update={"steps": train.sft_steps, "stop_loss": None, "stop_accuracy": None})
             warmed = warmed_up_checkpoint(recipe.model_copy(update={"sft_warmup": warmup}), pool=pool,
                                           layout_of="reward_model", weights=weights, hf_config=hf_config,
                                           data=prepare_data(recipe, run_dir), tracker=tracker,

@@ -355,6 +355,13 @@ def _check_algorithm_and_data(recipe: Recipe, shape: dict[str, int] | None) -> l
                 recipe.trainer.val_every,
             )
         )
+    warmup = recipe.sft_warmup
+    if warmup.steps and warmup.stop_accuracy is not None and not has_val:
+        problems.append(_problem("sft_warmup.stop_accuracy", "is measured on held-out problems: give "
+                                 "data.val_files or data.synthetic.num_val > 0", warmup.stop_accuracy))
+    if warmup.stop_accuracy is not None and warmup.stop_loss is not None:
+        problems.append(_problem("sft_warmup.stop_accuracy", "give one stopping rule, not both: "
+                                 f"sft_warmup.stop_loss is {warmup.stop_loss}", warmup.stop_accuracy))
     positions = shape.get("max_position_embeddings") if shape is not None else None
     if positions is not None and data.max_prompt_length + data.max_response_length > positions:
         total = data.max_prompt_length + data.max_response_length

@@ -20,7 +20,8 @@ def _start(recipe: Recipe, resume_from: StepCheckpoint | None) -> str:
     warmup = recipe.sft_warmup
     if warmup.steps == 0:
         return f"fresh run, {total} steps"
-    limit = f"at most {warmup.steps}" if warmup.stop_loss is not None else str(warmup.steps)
+    stops_early = warmup.stop_loss is not None or warmup.stop_accuracy is not None
+    limit = f"at most {warmup.steps}" if stops_early else str(warmup.steps)
     return f"fresh run, {total} steps after an SFT warm-up of {limit} steps"
 
 

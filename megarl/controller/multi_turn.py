@@ -140,7 +140,7 @@ def demonstration_batch(prompts: Batch, settings: MultiTurnSettings, *, tokenize
     full = assemble_rollout(gen, responses=responses, response_lengths=lengths,
                             rollout_log_probs=torch.zeros(responses.shape))
     full["loss_mask"] = torch.cat([torch.zeros(gen["input_ids"].shape), response_mask], dim=1)
-    return full.select(["input_ids", "attention_mask", "position_ids", "loss_mask"])
+    return full.select(["input_ids", "attention_mask", "position_ids", "responses", "loss_mask"])
 
 
 class Demonstrations:

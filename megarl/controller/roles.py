@@ -62,6 +62,10 @@ class PolicyRole:
         mode = self.update_settings.loss.loss_agg_mode
         return batch, {"actor/entropy": entropy_metric(out["entropy"], batch["response_mask"], mode)}
 
+    def response_log_probs(self, batch: Batch) -> torch.Tensor:
+        """The log-probs [B, response width] of `batch`'s response tokens at temperature 1, without entropy."""
+        return self._log_probs(batch, key="log_probs", temperature=1.0, with_entropy=False)["log_probs"]
+
     def compute_ref_log_prob(self, batch: Batch, *, temperature: float) -> Batch:
         out = self._log_probs(batch, key="ref_log_prob", temperature=temperature, with_entropy=False)
         batch["ref_log_prob"] = out["ref_log_prob"]

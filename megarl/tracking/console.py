@@ -81,11 +81,6 @@ class Pace:
         return clock(per_step * (self.total - done)) if per_step is not None else "?"
 
 
-def sft_summary(loss: float, target: float | None) -> str:
-    """`loss 0.612 (target < 0.350)`, or `loss 0.612` for a warm-up of a fixed number of steps."""
-    return f"loss {loss:.4f}" + (f" (target < {target:.4f})" if target is not None else "")
-
-
 class LineConsole:
     """Progress as plain lines: one per step, one every `SFT_EVERY` warm-up steps."""
 
@@ -118,12 +113,12 @@ class LineConsole:
                   f"ETA {self.pace.eta(step - self._done_at_start)}", phase_shares(metrics)]
         self._write("  ".join(part for part in parts if part))
 
-    def sft(self, step: int, limit: int, loss: float, target: float | None) -> None:
+    def sft(self, step: int, limit: int, summary: str) -> None:
         if self._sft_pace is None:
             self._sft_pace = Pace(limit)
         self._sft_pace.tick(None)
         if step == 1 or step % SFT_EVERY == 0 or step == limit:
-            self._write(f"sft warm-up {step}/{limit}  {sft_summary(loss, target)}  elapsed {self.pace.elapsed()}  "
+            self._write(f"sft warm-up {step}/{limit}  {summary}  elapsed {self.pace.elapsed()}  "
                         f"ETA {self._sft_pace.eta(step)}")
 
     def close(self) -> None:
@@ -165,10 +160,10 @@ class BarConsole:
             parts.append(f"{metrics['timing_s/step']:.1f} s/step")
         self._progress.update(self._task, completed=step, summary="  ".join(parts))
 
-    def sft(self, step: int, limit: int, loss: float, target: float | None) -> None:
+    def sft(self, step: int, limit: int, summary: str) -> None:
         if self._sft_task is None:
             self._sft_task = self._progress.add_task("sft warm-up", total=limit, summary="")
-        self._progress.update(self._sft_task, completed=step, summary=sft_summary(loss, target))
+        self._progress.update(self._sft_task, completed=step, summary=summary)
 
     def close(self) -> None:
         self._progress.stop()

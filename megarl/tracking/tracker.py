@@ -115,10 +115,9 @@ class Tracker:
         if self._console is not None:
             self._console.step(step, clean)
 
-    def log_sft(self, step: int, metrics: Mapping[str, float], *, limit: int, loss: float,
-                target: float | None) -> None:
+    def log_sft(self, step: int, metrics: Mapping[str, float], *, limit: int, summary: str) -> None:
         """Warm-up step `step` of at most `limit`: its `sft/*` metrics to `sft_metrics.jsonl` and TensorBoard's
-        `sft` run; the console shows `loss` (what the stopping rule compares) against `target`."""
+        `sft` run; the console shows `summary` (what the stopping rule compares, against its target)."""
         clean = {key: _as_float(value) for key, value in metrics.items()}
         if self._jsonl is not None:
             if self._sft_jsonl is None:  # a warm-up runs in fresh runs only: a new file
@@ -134,7 +133,7 @@ class Tracker:
                 self._sft_tb.add_scalar(key, value, step)
             self._sft_tb.flush()
         if self._console is not None:
-            self._console.sft(step, limit, loss, target)
+            self._console.sft(step, limit, summary)
 
     def message(self, text: str) -> None:
         """A line on the console (above the progress bar, or plain print), also in the controller log."""
