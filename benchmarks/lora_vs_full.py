@@ -5,8 +5,9 @@
 Prints, per run: the greedy validation score at every validation step and its gain over step 0,
 the bytes one weight sync moves (`weight_sync/bytes`, median over steps), the actor's peak
 memory (`perf/max_memory_gb/actor`, the largest over steps) and training state
-(`perf/train_state_gb/actor`: weights, gradients, optimizer state), whether a reference engine ran
-(`perf/max_memory_gb/reference`) and the median step time; then the gain difference at each
+(`perf/train_state_gb/actor`: weights, gradients, optimizer state), whether a reference engine ran, in
+processes of its own (`perf/max_memory_gb/reference`) or in the actor's (`perf/train_state_gb/reference`
+alone), and the median step time; then the gain difference at each
 common validation step and the sync-bytes ratio.
 """
 
@@ -28,6 +29,7 @@ def summary(run_dir: Path) -> dict:
     steps = [r for r in records if "timing_s/step" in r]
     validation = {r["step"]: r["val/score/mean"] for r in records if "val/score/mean" in r}
     reference = [r["perf/max_memory_gb/reference"] for r in steps if "perf/max_memory_gb/reference" in r]
+    fused = [r["perf/train_state_gb/reference"] for r in steps if "perf/train_state_gb/reference" in r]
     return {
         "run": run_dir.name,
         "validation": validation,
@@ -37,6 +39,7 @@ def summary(run_dir: Path) -> dict:
         "actor_state_gb": max((r["perf/train_state_gb/actor"] for r in steps if "perf/train_state_gb/actor" in r),
                               default=None),
         "reference_peak_gb": max(reference) if reference else None,
+        "fused_reference_gb": max(fused) if fused and not reference else None,
         "step_s": statistics.median(r["timing_s/step"] for r in steps),
         "steps": len(steps),
     }
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     lora, full = summary(args.lora), summary(args.full)
     for run in (lora, full):
         scores = "  ".join(f"{step}: {score:.3f}" for step, score in sorted(run["validation"].items()))
-        reference = "none" if run["reference_peak_gb"] is None else f"{run['reference_peak_gb']:.2f} GB"
+        reference = "none"
+        if run["reference_peak_gb"] is not None:
+            reference = f"in processes of its own, {run['reference_peak_gb']:.2f} GB"
+        elif run["fused_reference_gb"] is not None:
+            reference = f"in the actor's processes, {run['fused_reference_gb'] * 2**10:.2f} MiB of weights"
         state = "n/a" if run["actor_state_gb"] is None else f"{run['actor_state_gb'] * 2**10:.2f} MiB"
         print(f"{run['run']}: {run['steps']} steps; validation {scores}")
         print(f"  sync {run['sync_bytes']:,.0f} B; actor peak {run['actor_peak_gb']:.3f} GB, training state {state}; "

@@ -38,7 +38,10 @@ BACKBONE_STEPS, RM_STEPS = 160, 500  # after the warmed policy's ~235; 32,000 pa
 # warm-up stopped at step 299), then mean rm_rule_corr 0.25 and validation 0.454 -> 0.340 (the policy learned to
 # please a weak reward model). A reward model from the warmed policy without further supervised steps learned a
 # weak signal too (mean rm_rule_corr 0.25, validation fell). The gain threshold asks for 5 more problems right; the
-# others for what a reward model that learned anything shows.
+# others for what a reward model that learned anything shows. With the warm-up stopped by its held-out accuracy
+# (2026-12-03, quiet machine, seed 0: step 235, validation 0.464 after it): reward-model accuracy 0.904, mean
+# rm_rule_corr 0.61, validation 0.464 -> 0.572 (+0.108) after 15 GRPO steps; the test took 318 s (and 127 s of
+# the session's warm-up).
 MIN_RM_ACCURACY = 0.8
 MIN_RM_RULE_CORR = 0.2
 MIN_VAL_GAIN = 0.01
