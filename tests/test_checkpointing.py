@@ -199,6 +199,23 @@ def test_start_over_moves_the_old_run_dir_aside_never_deletes_it(tmp_path):
     assert str(aside) in said[0]
 
 
+def test_start_over_keeps_what_train_rm_wrote_for_the_run(tmp_path):
+    # `megarl train-rm` then `megarl train` on one recipe, whose reward model lies in the run directory (as
+    # quickstart-rm-cpu's does): the run reads that model, so starting over must leave it, and train-rm's logs.
+    run_dir = tmp_path / "run"
+    recipe = load_recipe(QUICKSTART.with_name("quickstart-rm-cpu.yaml"), [
+        f"trainer.output_dir={tmp_path}", "name=run", f"reward_model.path={run_dir / 'reward_model'}"])
+    for entry in ("reward_model", "train-rm", "data"):
+        (run_dir / entry).mkdir(parents=True)
+        (run_dir / entry / "file").write_text(entry)
+    said = []
+    assert resume_or_start(run_dir, recipe, say=said.append) is None
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["reward_model", "train-rm"]
+    assert (run_dir / "reward_model" / "file").read_text() == "reward_model"
+    assert sorted(p.name for p in aside.iterdir()) == ["data"] and str(aside) in said[0]
+
+
 def test_start_over_with_only_launcher_files_moves_nothing(tmp_path):
     recipe, run_dir = _recipe(tmp_path), tmp_path / "run"
     (run_dir / "slurm").mkdir(parents=True)

@@ -11,7 +11,8 @@ lacks (written before the key existed) is compatible at its schema default. With
 run directory has its contents moved to `<name>.replaced-<time>` (never deleted) and the
 run starts afresh. The launcher's entries (`LAUNCHER_ENTRIES`: `megarl submit`'s job files and the
 logs its running job is writing) stay where they are: the job that starts over is the one
-writing them.
+writing them. So do `megarl train-rm`'s outputs for the run of the same name (`train-rm/`, and
+the reward model when `reward_model.path` lies in the run directory): the run reads them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ RESUME_ALLOWED = ("actor.parallel", "critic.parallel", "actor.optim", "critic.op
 # Written by the launcher around the run, not by the run: `megarl submit`'s sbatch script and job record, and
 # the logs (the batch log, Ray's, the controller's) that the current job appends to.
 LAUNCHER_ENTRIES = ("slurm", "logs")
+# Written before the run by `megarl train-rm` for the run of the same name: its logs and metrics.
+TRAIN_RM_ENTRIES = ("train-rm",)
 
 _UNSET = object()  # a key one of the two recipes does not have
 
@@ -106,9 +109,24 @@ def newest_intact(run_dir: Path, say: Callable[[str], None]) -> StepCheckpoint |
     return None
 
 
-def _move_aside(run_dir: Path, say: Callable[[str], None]) -> None:
-    """The previous run's outputs (all but `LAUNCHER_ENTRIES`) into `<name>.replaced-<time>`."""
-    outputs = [entry for entry in run_dir.iterdir() if entry.name not in LAUNCHER_ENTRIES]
+def _inputs_inside(run_dir: Path, recipe: Recipe) -> set[str]:
+    """The entries of `run_dir` holding a checkpoint the recipe reads (e.g. the reward model `megarl train-rm`
+    wrote to `reward_model.path` inside it)."""
+    rm = recipe.reward_model
+    paths = [recipe.model.path, rm.path if rm else None, rm.train.init_path if rm and rm.train else None]
+    root, entries = run_dir.resolve(), set()
+    for path in filter(None, paths):
+        resolved = Path(path).expanduser().resolve()
+        if resolved.is_relative_to(root) and resolved != root:
+            entries.add(resolved.relative_to(root).parts[0])
+    return entries
+
+
+def _move_aside(run_dir: Path, recipe: Recipe, say: Callable[[str], None]) -> None:
+    """The previous run's outputs into `<name>.replaced-<time>`: all but the launcher's entries, `megarl
+    train-rm`'s and what the recipe reads."""
+    kept = {*LAUNCHER_ENTRIES, *TRAIN_RM_ENTRIES, *_inputs_inside(run_dir, recipe)}
+    outputs = [entry for entry in run_dir.iterdir() if entry.name not in kept]
     if not outputs:
         return
     aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -132,6 +150,6 @@ def resume_or_start(run_dir: Path, recipe: Recipe, *, say: Callable[[str], None]
         check_compatible(resume_from, recipe)
         say(f"resuming from {resume_from.path} (step {resume_from.step})")
     elif run_dir.is_dir():
-        _move_aside(run_dir, say)
+        _move_aside(run_dir, recipe, say)
     run_dir.mkdir(parents=True, exist_ok=True)
     return resume_from
