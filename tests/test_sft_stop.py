@@ -89,5 +89,6 @@ def test_the_warm_up_stops_at_the_first_check_that_reaches_the_target(tmp_path, 
             tokenizer.eos_token_id]
         assert held_out["loss_mask"][index, :-width].sum() == 0
     captured = capsys.readouterr()
-    assert f"sft warm-up done at step {steps}, loss {sum(1 / s for s in range(steps - 9, steps + 1)) / 10:.4f} (mean of the last 10 " \
-           f"steps, held-out problems reproduced {checked[-1][1]:.3f}; held-out accuracy reached)" in captured.err
+    loss = sum(1 / s for s in range(steps - 9, steps + 1)) / 10  # the stand-in's loss, mean of the last 10 steps
+    assert (f"sft warm-up done at step {steps}, loss {loss:.4f} (mean of the last 10 steps, held-out problems "
+            f"reproduced {checked[-1][1]:.3f}; held-out accuracy reached)") in captured.err

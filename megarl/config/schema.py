@@ -325,9 +325,9 @@ class SftWarmupConfig(Section):
     stop_accuracy: float | None = Field(
         None, gt=0.0, le=1.0,
         description="end the warm-up early once this fraction of held-out problems (the first 512 of the "
-        "validation set, checked every 5 steps, every step from half the target) has its reference solution written with every token at a "
-        "probability above 1/2, so that greedy decoding writes it: a stop at the competence greedy validation "
-        "measures, which float noise does not move, where a loss target is met at another accuracy on another CPU",
+        "validation set, checked every 5 steps, every step from half the target) has its reference solution "
+        "written with every token at a probability above 1/2, so that greedy decoding writes it: a stop at the "
+        "competence greedy validation measures, where a loss target is met at another accuracy on another CPU",
     )
     lr: PositiveFloat = Field(1e-3, le=MAX_LR, description="learning rate of the warm-up (at most 10)")
     batch_size: PositiveInt = Field(64, description="samples per warm-up step")
