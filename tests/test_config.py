@@ -458,6 +458,15 @@ BAD_RULES = [
         "trainer.val_every: validation needs data.val_files or data.synthetic.num_val > 0 (got 10)",
     ),
     (
+        ["trainer.val_every=0", "data.val_files=[]", "sft_warmup.steps=100", "sft_warmup.stop_accuracy=0.3"],
+        "sft_warmup.stop_accuracy: is measured on held-out problems: give data.val_files or "
+        "data.synthetic.num_val > 0 (got 0.3)",
+    ),
+    (
+        ["sft_warmup.stop_loss=0.35", "sft_warmup.stop_accuracy=0.3"],
+        "sft_warmup.stop_accuracy: give one stopping rule, not both: sft_warmup.stop_loss is 0.35 (got 0.3)",
+    ),
+    (
         ["placement.device=cpu"],
         "rollout.backend: SGLang needs placement.device: cuda; use backend 'cpu' (got 'sglang')",
     ),
@@ -488,6 +497,7 @@ GOOD_RULES = [
     ["algorithm.adv_estimator=reinforce_plus_plus", "critic=null"],  # no group: n = 1 is fine
     ["data.train_files=[]", "data.val_files=[]", "data.synthetic={task: addition, num_train: 100, num_val: 5}"],
     ["trainer.val_every=0", "data.val_files=[]"],
+    ["trainer.val_every=0", "data.val_files=[]", "sft_warmup.stop_accuracy=0.3"],  # no warm-up to stop
     ["placement.device=cpu", "rollout.backend=cpu"],
     ["reference.parallel.tp=3"],  # the reference is not started without KL, so not checked
 ]

@@ -96,7 +96,7 @@ def test_tokenizer_dirs_and_data_files_that_are_not_regular_are_refused(capsys, 
     lines = refused(capsys, "validate", str(QUICKSTART), *sum((["--set", s] for s in SMALL), []),
                     "--set", f"model.tokenizer={tokenizer}", "--set", "data.synthetic=null",
                     "--set", f"data.train_files=[{fifo}, /dev/zero]", "--set", "data.val_files=[]",
-                    "--set", "trainer.val_every=0")
+                    "--set", "trainer.val_every=0", "--set", "sft_warmup.stop_accuracy=null")
     assert f"error: model.tokenizer: tokenizer '{tokenizer}': {tokenizer / 'tokenizer.json'}: is a FIFO, not a " \
            "regular file" in lines
     assert f"error: data.train_files: data file {fifo}: is a FIFO, not a regular file" in lines
