@@ -12,7 +12,7 @@ from megarl.cli import main
 from megarl.data.dataset import PromptLoader, RLDataset
 from megarl.data.padding import left_pad, position_ids_from_mask, right_pad
 from megarl.data.rows import make_row, write_rows
-from megarl.data.synthetic import arithmetic_rows, write_arithmetic_dataset
+from megarl.data.synthetic import arithmetic_rows, worked_solution, write_arithmetic_dataset
 from megarl.errors import InputError
 from megarl.protocol import Batch
 
@@ -58,6 +58,32 @@ def test_arithmetic_rows_schema_and_answers():
     assert rows != arithmetic_rows(50, seed=4, split="train", max_operand=20, start_index=100)
     test_rows = arithmetic_rows(50, seed=3, split="test", max_operand=20)
     assert [row["extra_info"]["question"] for row in test_rows] != [row["extra_info"]["question"] for row in rows]
+
+
+def test_worked_solutions_add_column_by_column_and_score_full_marks():
+    from megarl.rewards.gsm8k import compute_score
+
+    assert worked_solution(7, 45, 2) == ("ones: 7 + 5 + 0 = 12, write 2 carry 1\n"
+                                         "tens: 0 + 4 + 1 = 05, write 5 carry 0\n"
+                                         "#### 52")
+    rows = arithmetic_rows(200, seed=1, split="train", max_operand=99999, solution="worked")
+    assert [row["prompt"] for row in rows] == [row["prompt"] for row in
+                                               arithmetic_rows(200, seed=1, split="train", max_operand=99999)]
+    for row in rows:
+        a, b = (int(x) for x in row["extra_info"]["question"][: -len("=?")].split("+"))
+        *lines, answer = row["extra_info"]["answer"].split("\n")
+        assert len(lines) == 5 and compute_score(answer, row["reward_model"]["ground_truth"]) == 1.0
+        # Read the written digits back (the ones first) and the last carry: together they are the sum.
+        written = [int(line.split("write ")[1][0]) for line in lines]
+        carries = [int(line[-1]) for line in lines]
+        assert sum(digit * 10**column for column, digit in enumerate(written)) + carries[-1] * 10**5 == a + b
+        # Every column adds its two digits and the carry the column below wrote.
+        for column, line in enumerate(lines):
+            carry_in = carries[column - 1] if column else 0
+            assert f"{a // 10**column % 10} + {b // 10**column % 10} + {carry_in} = " in line
+    assert lines[4].startswith("column 5: ")
+    with pytest.raises(ValueError, match="solution must be one of"):
+        arithmetic_rows(1, seed=0, split="train", solution="steps")
 
 
 def test_write_arithmetic_dataset_holds_out_test_pairs(tmp_path):

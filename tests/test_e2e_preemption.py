@@ -51,10 +51,11 @@ SETTINGS = ["trainer.total_steps=4", "trainer.val_every=0", "sft_warmup.steps=5"
             f"trainer.checkpoint.preempt_timeout_s={PREEMPT_TIMEOUT_S}"]
 # Asynchronous rollout (k = 1, disaggregated: a trainer slot and a rollout slot), three short steps.
 ASYNC_RECIPE = REPO / "recipes" / "quickstart-async-cpu.yaml"
-ASYNC_SETTINGS = ["trainer.total_steps=3", "trainer.val_every=0", "sft_warmup.steps=0", "data.synthetic.num_val=16",
-                  "data.train_batch_size=8", "data.max_response_length=24", "actor.entropy_coeff=0.01",
-                  "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=16", "trainer.checkpoint.save_every=0",
-                  "trainer.checkpoint.keep_last=0", "trainer.logging.console=false",
+ASYNC_SETTINGS = ["trainer.total_steps=3", "trainer.val_every=0", "trainer.val_before_train=false",
+                  "sft_warmup.steps=0", "data.synthetic.num_val=16", "data.train_batch_size=8",
+                  "data.max_response_length=24", "actor.entropy_coeff=0.01", "actor.ppo_mini_batch_size=32",
+                  "actor.ppo_micro_batch_size=16", "trainer.checkpoint.save_every=0", "trainer.checkpoint.keep_last=0",
+                  "trainer.logging.console=false",
                   f"trainer.checkpoint.preempt_timeout_s={PREEMPT_TIMEOUT_S}"]
 TORCH_SHM = re.compile(r"torch_(\d+)_")
 RECORD_EVERY_S = 0.25

@@ -83,6 +83,11 @@ def validate(capsys, *overrides: str) -> tuple[int, list[str]]:
     (["data.train_batch_size=256", "actor.ppo_mini_batch_size=256"],
      "data.train_batch_size: more than the data.synthetic.num_train = 200 prompts (got 256)"),
     (["sft_warmup.batch_size=512"], "sft_warmup.batch_size: more than the data.synthetic.num_train = 200 prompts"),
+    # worked solutions (~64 tokens) do not fit the quickstart's 12-token responses: the warm-up would cut them
+    (["data.synthetic.solution=worked"], "data.max_response_length: 200 of the 200 training reference solutions that "
+     "sft_warmup teaches take more than 11 tokens (the room left for EOS); prompt 0's takes 64 (got 12)"),
+    (["data.synthetic.task=random_digits", "data.synthetic.solution=worked"], "data.synthetic.solution: only the "
+     "addition task has worked solutions, not data.synthetic.task = random_digits (got 'worked')"),
 ])
 def test_values_train_could_not_run_are_refused_at_validate(capsys, overrides, line):
     status, lines = validate(capsys, *overrides)

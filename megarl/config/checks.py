@@ -265,6 +265,9 @@ def _check_synthetic_sizes(recipe: Recipe) -> list[Problem]:
         if batch > synthetic.num_train:
             problems.append(_problem(key, f"more than the data.synthetic.num_train = {synthetic.num_train} prompts",
                                      batch))
+    if synthetic.task != "addition" and synthetic.solution != "answer":
+        problems.append(_problem("data.synthetic.solution", f"only the addition task has worked solutions, not "
+                                 f"data.synthetic.task = {synthetic.task}", synthetic.solution))
     pairs = (synthetic.max_operand + 1) ** 2
     if synthetic.task == "addition" and synthetic.num_val >= pairs:
         problems.append(_problem("data.synthetic.num_val", f"leaves no (a, b) pair for training: max_operand = "

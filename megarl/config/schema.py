@@ -117,6 +117,10 @@ class SyntheticData(Section):
     num_val: NonNegativeInt = Field(le=MAX_SYNTHETIC_ROWS, description="validation prompts to generate")
     seed: Seed = Field(0, description="generator seed (independent of the run seed)")
     max_operand: PositiveInt = Field(99, description="largest operand of the generated problems")
+    solution: Literal["answer", "worked"] = Field(
+        "answer", description="addition: the reference solution (what sft_warmup teaches), `#### <sum>` alone or the "
+        "sum worked column by column first (~30 tokens a column, builtin tokenizer), for long responses"
+    )
     prompt_length: PositiveInt | None = Field(
         None, description="random_digits: tokens in every prompt after the chat template; null = data.max_prompt_length"
     )

@@ -61,7 +61,7 @@ def _generated_splits(recipe: Recipe, tokenizer) -> dict[str, list[dict]]:
     if synth.task == "random_digits":
         return random_digits_splits(num_train=synth.num_train, num_val=synth.num_val, seed=synth.seed,
                                     prompt_length=synth.prompt_length or data.max_prompt_length, tokenizer=tokenizer)
-    return arithmetic_splits(synth.num_train, synth.num_val, synth.seed, synth.max_operand)
+    return arithmetic_splits(synth.num_train, synth.num_val, synth.seed, synth.max_operand, synth.solution)
 
 
 def build_datasets(recipe: Recipe, tokenizer) -> tuple[RLDataset, RLDataset | None, dict[str, list[dict]]]:
@@ -111,6 +111,26 @@ def dataset_size_problems(recipe: Recipe, train: RLDataset, val: RLDataset | Non
     return problems
 
 
+def demonstration_problems(recipe: Recipe, train: RLDataset, val: RLDataset | None, tokenizer) -> list[str]:
+    """Reference solutions the SFT warm-up would cut: it teaches each one with an EOS after it, within
+    data.max_response_length tokens. A multi-turn run's warm-up replays its environment's demonstrations instead."""
+    if not recipe.sft_warmup.steps or multi_turn_settings(recipe) is not None:
+        return []
+    room, problems = recipe.data.max_response_length - 1, []
+    for split, dataset in (("training", train), ("validation", val)):
+        if dataset is None or len(dataset) == 0:
+            continue
+        answers = [str(info.get("answer", "")) for info in dataset.extra_infos]
+        lengths = [len(ids) for ids in tokenizer(answers, add_special_tokens=False)["input_ids"]]
+        longer = [position for position, length in enumerate(lengths) if length > room]
+        if longer:
+            problems.append(
+                f"data.max_response_length: {len(longer)} of the {len(answers)} {split} reference solutions that "
+                f"sft_warmup teaches take more than {room} tokens (the room left for EOS); prompt {longer[0]}'s takes "
+                f"{lengths[longer[0]]} (got {recipe.data.max_response_length})")
+    return problems
+
+
 def vocabulary_problems(recipe: Recipe, tokenizer) -> list[str]:
     """A model whose embedding has fewer rows than the tokenizer has ids would index past it."""
     size, problems = len(tokenizer), []
@@ -131,7 +151,8 @@ def prepare_data(recipe: Recipe, run_dir: Path) -> RunData:
     data = recipe.data
     tokenizer = load_tokenizer(recipe.model.tokenizer)
     train_dataset, val_dataset, generated = build_datasets(recipe, tokenizer)
-    problems = vocabulary_problems(recipe, tokenizer) + dataset_size_problems(recipe, train_dataset, val_dataset)
+    problems = (vocabulary_problems(recipe, tokenizer) + dataset_size_problems(recipe, train_dataset, val_dataset)
+                + demonstration_problems(recipe, train_dataset, val_dataset, tokenizer))
     if problems:
         raise InputError(problems)
     for dataset in (train_dataset, val_dataset):

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from megarl.config import Recipe
 from megarl.config.settings import multi_turn_settings
-from megarl.controller.bootstrap import build_datasets, dataset_size_problems, vocabulary_problems
+from megarl.controller.bootstrap import (build_datasets, dataset_size_problems, demonstration_problems,
+                                        vocabulary_problems)
 from megarl.data.dataset import read_prompt_rows
 from megarl.data.tokenizer import load_tokenizer
 from megarl.errors import InputError
@@ -119,7 +120,7 @@ def _check_data(recipe: Recipe, tokenizer) -> None:
     data, reward = recipe.data, recipe.reward
     if tokenizer is not None:
         train, val, _ = build_datasets(recipe, tokenizer)
-        problems = dataset_size_problems(recipe, train, val)
+        problems = dataset_size_problems(recipe, train, val) + demonstration_problems(recipe, train, val, tokenizer)
         sources = set(train.data_sources) | (set(val.data_sources) if val is not None else set())
     else:
         problems, sources = [], set()

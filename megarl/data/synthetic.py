@@ -1,11 +1,17 @@
 """The synthetic `megarl/arithmetic` task: "07+45=?" in GSM8K row format.
 
 A task small models can learn on CPU in minutes, scored by the GSM8K strict
-scorer. Responses are short on purpose: the reference solution is exactly
-`#### <sum>`, which is also what the optional SFT warm-up teaches. Operands are
-zero-padded to a fixed width and placed right before the answer, so every digit
-sits at a fixed distance from the answer tokens: a tiny model finds the digits
-by position quickly, and what is left to learn is the arithmetic (the carry).
+scorer. The reference solution, which the optional SFT warm-up teaches, comes in
+two forms:
+- "answer": exactly `#### <sum>`, so responses are a few tokens long;
+- "worked": the sum worked column by column before the answer, one line per column
+  ("ones: 7 + 5 + 0 = 12, write 2 carry 1"), as a GSM8K solution works its steps.
+  Responses are then ~30 tokens per column (builtin tokenizer), long enough for generation to weigh as
+  much as training in a step (the asynchronous quickstart's split).
+Operands are zero-padded to a fixed width and placed right before the answer, and
+a worked line writes every sum with two digits, so every digit sits at a fixed
+distance from the tokens that use it: a tiny model finds the digits by position
+quickly, and what is left to learn is the arithmetic (the carry).
 """
 
 from __future__ import annotations
@@ -21,6 +27,22 @@ from megarl.errors import InputError
 
 DATA_SOURCE = "megarl/arithmetic"
 INSTRUCTION = 'Answer after "####".'
+SOLUTION_FORMS = ("answer", "worked")
+# Worked solutions name their first columns; wider operands go on as "column 5", "column 6", ...
+COLUMN_NAMES = ("ones", "tens", "hundreds", "thousands")
+
+
+def worked_solution(a: int, b: int, width: int) -> str:
+    """`a + b` worked column by column from the ones up, then `#### <sum>`. Each column's sum is written with two
+    digits, so a column's line has one layout whatever its digits."""
+    lines, carry = [], 0
+    for column in range(width):
+        digit_a, digit_b = a // 10**column % 10, b // 10**column % 10
+        total = digit_a + digit_b + carry
+        name = COLUMN_NAMES[column] if column < len(COLUMN_NAMES) else f"column {column + 1}"
+        lines.append(f"{name}: {digit_a} + {digit_b} + {carry} = {total:02d}, write {total % 10} carry {total // 10}")
+        carry = total // 10
+    return "\n".join(lines) + f"\n#### {a + b}"
 
 
 def arithmetic_pairs(
@@ -55,8 +77,12 @@ def arithmetic_rows(
     max_operand: int = 99,
     start_index: int = 0,
     exclude_pairs: Collection[tuple[int, int]] = (),
+    solution: str = "answer",
 ) -> list[dict]:
-    """`num` GSM8K-format rows of "a+b=?" for the pairs of `arithmetic_pairs` (same arguments)."""
+    """`num` GSM8K-format rows of "a+b=?" for the pairs of `arithmetic_pairs` (same arguments), each with its
+    reference solution in the form `solution` names (one of SOLUTION_FORMS)."""
+    if solution not in SOLUTION_FORMS:
+        raise ValueError(f"solution must be one of {SOLUTION_FORMS}, got {solution!r}")
     rows = []
     width = len(str(max_operand))
     pairs = arithmetic_pairs(num, seed=seed, split=split, max_operand=max_operand, exclude_pairs=exclude_pairs)
@@ -69,14 +95,16 @@ def arithmetic_rows(
                 ground_truth=str(a + b),
                 split=split,
                 index=start_index + offset,
-                answer=f"#### {a + b}",
+                answer=worked_solution(a, b, width) if solution == "worked" else f"#### {a + b}",
                 question=question,
             )
         )
     return rows
 
 
-def arithmetic_splits(num_train: int, num_val: int, seed: int, max_operand: int = 99) -> dict[str, list[dict]]:
+def arithmetic_splits(
+    num_train: int, num_val: int, seed: int, max_operand: int = 99, solution: str = "answer"
+) -> dict[str, list[dict]]:
     """{"train": rows, "test": rows} of the task; no test (a, b) pair appears in train."""
     pairs = (max_operand + 1) ** 2
     if num_val >= pairs:
@@ -86,8 +114,9 @@ def arithmetic_splits(num_train: int, num_val: int, seed: int, max_operand: int 
         )
     held_out = arithmetic_pairs(num_val, seed=seed, split="test", max_operand=max_operand)
     return {
-        "train": arithmetic_rows(num_train, seed=seed, split="train", max_operand=max_operand, exclude_pairs=held_out),
-        "test": arithmetic_rows(num_val, seed=seed, split="test", max_operand=max_operand),
+        "train": arithmetic_rows(num_train, seed=seed, split="train", max_operand=max_operand, exclude_pairs=held_out,
+                                 solution=solution),
+        "test": arithmetic_rows(num_val, seed=seed, split="test", max_operand=max_operand, solution=solution),
     }
 
 
