@@ -9,7 +9,8 @@ gets about the recipe's 400 supervised steps (with fresh Adam moments after the 
 the first ~235 paid for once per session. Then 500 Bradley-Terry steps on arithmetic preference pairs,
 validated once, at the end (only the final accuracy is asserted); GRPO then trains on its
 scores alone (`reward.combine: rm`) for 15 steps, without a final checkpoint (nothing reads
-it). The rule score is never a reward here, yet the greedy validation rule score on 500
+it), with a KL loss to the reference of 1.5 instead of the recipe's 0.2 (with 0.2, a weaker
+reward model was exploited on another machine, below). The rule score is never a reward here, yet the greedy validation rule score on 500
 held-out problems must rise. Thresholds come from seed-0 runs of this configuration (below),
 with margin for other machines, whose float noise moves where the warm-ups stop.
 """
@@ -41,16 +42,19 @@ BACKBONE_STEPS, RM_STEPS = 160, 500  # after the warmed policy's ~235; 32,000 pa
 # others for what a reward model that learned anything shows. With the warm-up stopped by its held-out accuracy
 # (2026-12-03, quiet machine, seed 0: step 235, validation 0.464 after it): reward-model accuracy 0.904, mean
 # rm_rule_corr 0.61, validation 0.464 -> 0.572 (+0.108) after 15 GRPO steps; the test took 318 s (and 127 s of
-# the session's warm-up). On a 2-core Intel Xeon machine (2026-12-03, session 13) this test FAILS: the same warm-up
-# stops at step 192 with validation 0.554; reward-model accuracy 0.81, mean rm_rule_corr 0.27, validation 0.554 ->
-# 0.456 (the policy drifts to sums 10 too high, which the reward model scores as right). Varied there (backbone
-# steps / Bradley-Terry steps -> RM accuracy, corr, validation after 15 GRPO steps): 240/500 0.914, 0.52, 0.606
-# (passes); 320/500 0.808, 0.33, 0.446; 160/500 with a cosine LR 0.84, 0.26, 0.446; 160/700 0.88, 0.49, 0.550;
-# 160/1000 0.902, 0.23, 0.340; 320/1000 0.852, 0.41, 0.570 (passes). Pair accuracy does not predict the outcome;
-# the policy exploiting the reward model's misses does. Open: see the session-13 note.
+# the session's warm-up). On a 2-core Intel Xeon machine (2026-12-03) the same warm-up stops at step 192 with
+# validation 0.554, and with the recipe's KL (actor.kl_loss_coef 0.2) the test failed: reward-model accuracy 0.81,
+# mean rm_rule_corr 0.27, validation 0.554 -> 0.456 (the policy drifted to sums 10 too high, which the reward model
+# scores as right). Varied there (backbone / Bradley-Terry steps -> RM accuracy, corr, validation after 15 steps):
+# 240/500 0.914, 0.52, 0.606; 320/500 0.808, 0.33, 0.446; 160/500 with a cosine LR 0.84, 0.26, 0.446; 160/700
+# 0.88, 0.49, 0.550; 160/1000 0.902, 0.23, 0.340; 320/1000 0.852, 0.41, 0.570. Pair accuracy does not predict the
+# outcome; the policy exploiting the reward model's misses does. What holds the policy where the reward model's
+# signal is still right is the KL loss to the reference, as in RLHF: 160/500 with kl_loss_coef 0.2, 0.6 and 1.5
+# gave 0.456, 0.544 and 0.594 (mean corr 0.27-0.28 in all three). The test runs KL_LOSS_COEF = 1.5.
 MIN_RM_ACCURACY = 0.8
 MIN_RM_RULE_CORR = 0.2
 MIN_VAL_GAIN = 0.01
+KL_LOSS_COEF = 1.5
 
 
 def _records(path: Path) -> list[dict]:
@@ -71,7 +75,7 @@ def test_a_policy_trained_on_the_reward_model_alone_gets_better_at_the_rule(warm
         "reward_model.train.val_every=0"]))
     run_dir = train(load_recipe(RECIPE, [*common, "trainer.total_steps=15", "trainer.val_every=15",
                                          f"model.path={warmed_quickstart}", "sft_warmup.steps=0",
-                                         "trainer.checkpoint.enabled=false"]))
+                                         "trainer.checkpoint.enabled=false", f"actor.kl_loss_coef={KL_LOSS_COEF}"]))
     records = _records(run_dir / "metrics.jsonl")
     steps = [r for r in records if "timing_s/step" in r]
     before, after = records[0]["val/score/mean"], steps[-1]["val/score/mean"]
