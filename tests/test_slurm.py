@@ -38,7 +38,10 @@ TWO_HOSTS = ["placement.nodes=2", "placement.colocate=false",
              "placement.pools={train: {nodes: 1, gpus_per_node: 1}, gen: {nodes: 1, gpus_per_node: 1}}",
              "placement.roles={actor: train, rollout: gen}", "weight_sync.transport=distributed", "rollout.host=node",
              "trainer.checkpoint.preempt_timeout_s=30"]
-TOTAL_STEPS = 6  # a step takes a second or two: the preemption lands while the run is well inside
+# A step takes a second or two. With 6 steps, a fast 2-core machine (2026-12-03) finished the run 13 s after the
+# preemption's SIGTERM arrived (the last phase ran to its end), exit 0, so Slurm had nothing to requeue: 12 keep
+# the preemption well inside the run.
+TOTAL_STEPS = 12
 ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED")
 CONTRACT_KEYS = ["critic/score/mean", "critic/advantages/mean", "actor/pg_loss", "actor/entropy",
                  "response_length/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
